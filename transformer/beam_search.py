@@ -1,0 +1,96 @@
+"""Batched beam search with the GNMT length penalty (paper section 6.1: beam 4, alpha 0.6).
+
+The search knows nothing of the model: it asks a decoder for next-token log-probabilities of every
+live hypothesis and tells it how the hypotheses were reordered, so any decoder (the Transformer with
+its key/value cache, or a toy with scripted probabilities in the tests) can be searched the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class StepDecoder(Protocol):
+    def step(self, tokens: Tensor) -> Tensor:
+        """tokens (N, t), each live prefix starting with BOS -> next-token log-probs (N, vocab)."""
+
+    def reorder(self, order: Tensor) -> None:
+        """Row i of every per-hypothesis state becomes old row order[i]."""
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    tokens: list[int]  # without BOS and EOS
+    score: float  # sum of log-probabilities (EOS included) divided by the length penalty
+    log_prob: float
+
+
+def gnmt_length_penalty(length: int, alpha: float) -> float:
+    """lp(Y) = ((5 + |Y|) / 6)^alpha  (Wu et al. 2016), |Y| counting the EOS token."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def beam_search(
+    decoder: StepDecoder,
+    batch_size: int,
+    beam_size: int,
+    max_lengths: Tensor,
+    bos: int,
+    eos: int,
+    alpha: float,
+) -> list[list[Hypothesis]]:
+    """Search every sentence of the batch at once; return each one's finished hypotheses, best first.
+
+    max_lengths (B,): the most tokens (EOS included) sentence b may produce, e.g. source length + 50;
+    at that length only EOS is allowed. A sentence stops once `beam_size` hypotheses have ended,
+    each chosen among the best `beam_size` candidates of its step. Scores rank live hypotheses by
+    their summed log-probability and finished ones by that sum over the length penalty.
+    """
+    B, K = batch_size, beam_size
+    device = max_lengths.device
+    tokens = torch.full((B * K, 1), bos, dtype=torch.long, device=device)
+    scores = torch.zeros(B, K, device=device)
+    scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
+    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
+    done = [False] * B
+    limits = max_lengths.tolist()
+    for t in range(int(max_lengths.max())):
+        lprobs = decoder.step(tokens).view(B, K, -1)
+        vocab = lprobs.size(-1)
+        at_limit = torch.tensor([t + 1 >= n for n in limits], device=device)
+        if at_limit.any():
+            eos_only = torch.full_like(lprobs[0, 0], float("-inf"))
+            eos_only[eos] = 0.0
+            lprobs = torch.where(at_limit[:, None, None], lprobs + eos_only, lprobs)
+        candidates = (scores.unsqueeze(-1) + lprobs).view(B, K * vocab)
+        top_scores, top_index = candidates.topk(2 * K, dim=1)  # (B, 2K): at most K end here
+        top_beam, top_token = top_index // vocab, top_index % vocab
+        ended = top_token.eq(eos)
+
+        # Hypotheses that end among a sentence's best K candidates are finished.
+        ended_cpu, scores_cpu, beams_cpu = ended[:, :K].tolist(), top_scores.tolist(), top_beam.tolist()
+        prefixes = tokens[:, 1:].tolist()
+        for b in range(B):
+            if done[b]:
+                continue
+            for j in range(K):
+                if ended_cpu[b][j] and scores_cpu[b][j] > float("-inf"):
+                    log_prob = scores_cpu[b][j]
+                    score = log_prob / gnmt_length_penalty(t + 1, alpha)
+                    finished[b].append(Hypothesis(prefixes[b * K + beams_cpu[b][j]], score, log_prob))
+            if len(finished[b]) >= K or t + 1 >= limits[b]:
+                done[b] = True
+        if all(done):
+            break
+
+        # The best K candidates that did not end live on; ended ones sort last.
+        rank = torch.arange(2 * K, device=device).expand(B, -1) + ended.long() * 2 * K
+        keep = rank.topk(K, dim=1, largest=False).indices
+        scores = top_scores.gather(1, keep)
+        order = (torch.arange(B, device=device)[:, None] * K + top_beam.gather(1, keep)).view(-1)
+        tokens = torch.cat([tokens.index_select(0, order), top_token.gather(1, keep).view(-1, 1)], dim=1)
+        decoder.reorder(order)
+    return [sorted(f, key=lambda h: h.score, reverse=True) for f in finished]
