@@ -1,0 +1,99 @@
+"""Length-bucketed, token-budget batches (paper section 5.1: ~25k source and ~25k target tokens per step).
+
+Sentences are sorted by length so a batch holds similar lengths and wastes little on padding; a
+batch takes sentences while (sentences x longest side) stays within the budget. The batches are
+fixed for a seed; their order is reshuffled each epoch from (seed, epoch) and shared out over
+processes. The position in the stream is a small state that checkpoints save and restore exactly.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from stages.vocab import BOS_ID, EOS_ID, PAD_ID
+
+
+def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int,
+                  seed: int | None) -> tuple[list[np.ndarray], int]:
+    """Group sentence indices into batches of at most `max_tokens` padded tokens per side.
+
+    Lengths count the EOS (or BOS) the model adds. With a seed, sentences of equal length are
+    ordered randomly (but reproducibly); without one, in corpus order. Returns the batches and the
+    number of sentences dropped because alone they exceed the budget.
+    """
+    src_len = np.asarray(src_lengths, dtype=np.int64) + 1
+    tgt_len = np.asarray(tgt_lengths, dtype=np.int64) + 1
+    order = np.arange(len(src_len))
+    if seed is not None:
+        order = np.random.default_rng(seed).permutation(order)
+    order = order[np.lexsort((src_len[order], tgt_len[order]))]  # by target, then source length
+    longest = np.maximum(src_len, tgt_len)
+    fits = longest[order] <= max_tokens
+    dropped = int((~fits).sum())
+    order = order[fits]
+    batches: list[np.ndarray] = []
+    start, width = 0, 0
+    for i, idx in enumerate(order):
+        width_if_added = max(width, longest[idx])
+        if width_if_added * (i - start + 1) > max_tokens:
+            batches.append(order[start:i])
+            start, width_if_added = i, longest[idx]
+        width = width_if_added
+    if start < len(order):
+        batches.append(order[start:])
+    return batches, dropped
+
+
+class BatchSampler:
+    """An endless, resumable stream of this process's batches, epoch after epoch."""
+
+    def __init__(self, batches: list[np.ndarray], seed: int, num_processes: int = 1, rank: int = 0) -> None:
+        if len(batches) < num_processes:
+            raise ValueError(f"{len(batches)} batches cannot be shared out over {num_processes} processes")
+        self.batches, self.seed = batches, seed
+        self.num_processes, self.rank = num_processes, rank
+        self.epoch, self.position = 0, 0
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> np.ndarray:
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.batches))
+        per_process = len(order) // self.num_processes  # every process gets the same number of batches
+        return order[self.rank : per_process * self.num_processes : self.num_processes]
+
+    def __len__(self) -> int:
+        """Batches per epoch for this process."""
+        return len(self._order)
+
+    def __iter__(self) -> BatchSampler:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        if self.position == len(self._order):
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._epoch_order()
+        batch = self.batches[self._order[self.position]]
+        self.position += 1
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._epoch_order()
+
+
+def collate(corpus, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded tensors for a batch of pairs: source + EOS, BOS + target (decoder input), target + EOS."""
+    srcs = [np.append(corpus.src(i), EOS_ID) for i in indices]
+    tgts = [np.asarray(corpus.tgt(i), dtype=np.int64) for i in indices]
+    src = torch.full((len(srcs), max(map(len, srcs))), PAD_ID, dtype=torch.long)
+    tgt_in = torch.full((len(tgts), max(map(len, tgts)) + 1), PAD_ID, dtype=torch.long)
+    tgt_out = tgt_in.clone()
+    for row, (s, t) in enumerate(zip(srcs, tgts, strict=True)):
+        src[row, : len(s)] = torch.from_numpy(s.astype(np.int64))
+        tgt_in[row, 0] = BOS_ID
+        tgt_in[row, 1 : len(t) + 1] = torch.from_numpy(t)
+        tgt_out[row, : len(t)] = torch.from_numpy(t)
+        tgt_out[row, len(t)] = EOS_ID
+    return src, tgt_in, tgt_out

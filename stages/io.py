@@ -1,0 +1,143 @@
+"""What every stage shares: clear errors, atomic writes, and reading parallel text safely."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+
+class PipelineError(Exception):
+    """A problem with the user's input or setup: its message is shown without a traceback."""
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """Write to a temporary file beside `path`, then rename: readers see the old file or the new, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with open(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    with atomic_write(path) as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"{path}: not found (has the stage that writes it run?)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def require_dir(path: str | Path, what: str) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise PipelineError(f"{path}: {what} directory does not exist")
+    return path
+
+
+def count_lines(path: str | Path) -> int:
+    n = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            n += block.count(b"\n")
+        if f.tell() and not _ends_with_newline(f):
+            n += 1  # a last line without its newline still counts
+    return n
+
+
+def _ends_with_newline(f: IO[bytes]) -> bool:
+    f.seek(-1, os.SEEK_END)
+    return f.read(1) == b"\n"
+
+
+def read_lines(path: str | Path) -> Iterator[str]:
+    """Lines of a UTF-8 file without their line ending; invalid UTF-8 names the file, line and byte offset."""
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"{path}: file not found")
+    offset = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PipelineError(
+                    f"{path}:{number}: invalid UTF-8 at byte {offset + e.start} of the file ({e.reason})"
+                ) from None
+            offset += len(raw)
+            yield line.rstrip("\n").rstrip("\r")
+
+
+@dataclass(frozen=True)
+class ParallelFiles:
+    """One parallel corpus: a source file and a target file, line by line translations."""
+
+    src: str
+    tgt: str
+
+
+def read_parallel(src: str | Path, tgt: str | Path) -> Iterator[tuple[str, str]]:
+    """Pairs of lines; files of different lengths are refused before anything is read."""
+    n_src, n_tgt = _checked_count(src), _checked_count(tgt)
+    if n_src != n_tgt:
+        raise PipelineError(f"parallel files differ in length: {src} has {n_src} lines, {tgt} has {n_tgt}")
+    yield from zip(read_lines(src), read_lines(tgt), strict=True)
+
+
+def _checked_count(path: str | Path) -> int:
+    if not Path(path).is_file():
+        raise PipelineError(f"{path}: file not found")
+    return count_lines(path)
+
+
+def split_path(directory: str | Path, split: str, lang: str) -> Path:
+    """Where a split of one language lives inside a stage's text directory: <dir>/<split>.<lang>."""
+    return Path(directory) / f"{split}.{lang}"
+
+
+def file_digest(path: str | Path) -> str:
+    """md5 of a file, or of a directory's files in name order (as DVC fingerprints its inputs)."""
+    path = Path(path)
+    h = hashlib.md5()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for p in files:
+        if path.is_dir():
+            h.update(str(p.relative_to(path)).encode())
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+SPLITS = ("train", "dev", "test")
+MANIFEST = "manifest.json"
+
+
+def write_manifest(directory: str | Path, src_lang: str, tgt_lang: str, counts: dict[str, int]) -> None:
+    """Each text directory says which languages and how many pairs per split it holds."""
+    write_json(Path(directory) / MANIFEST, {"src_lang": src_lang, "tgt_lang": tgt_lang, "pairs": counts})
+
+
+def read_manifest(directory: str | Path) -> tuple[str, str]:
+    """(source language, target language) of a text directory written by download or clean."""
+    data = read_json(Path(directory) / MANIFEST)
+    return data["src_lang"], data["tgt_lang"]
