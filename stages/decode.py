@@ -1,0 +1,86 @@
+"""Stage 7, decode: translate the dev and test sources with beam search (paper section 6.1: beam 4,
+length penalty alpha 0.6, at most input length + 50 tokens), detokenised, in input order."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from stages import vocab
+from stages.average import load_model
+from stages.io import PipelineError, atomic_write, read_lines, read_manifest, require_dir, split_path
+from transformer import IncrementalDecoder, Transformer, TransformerConfig, beam_search
+
+SPLITS = ("dev", "test")
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    beam_size: int
+    length_penalty: float  # alpha of the GNMT penalty ((5 + length) / 6)^alpha
+    max_length_extra: int  # a translation has at most (source tokens + this) tokens
+    batch_tokens: int  # source tokens per batch, padding included
+
+
+def load_translator(model_path: str | Path, device: torch.device) -> Transformer:
+    weights, meta = load_model(model_path)
+    model = Transformer(TransformerConfig(**meta["model_config"]), meta["vocab_size"], vocab.PAD_ID)
+    model.load_state_dict(weights)
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, desc: str = "decode") -> list[str]:
+    """Translate `lines`, batched by length for speed, returned in input order."""
+    device = next(model.parameters()).device
+    limit = model.config.max_positions - 1  # room for EOS
+    encoded = [ids[:limit] for ids in sp.encode(lines)]
+    truncated = sum(len(ids) == limit for ids in encoded)
+    if truncated:
+        print(f"warning: {truncated} input lines were cut to the model's {limit} tokens")
+    order = np.argsort([len(ids) for ids in encoded], kind="stable")
+    out: list[str] = [""] * len(lines)
+    bar = tqdm(total=len(lines), desc=desc, unit=" sentences", mininterval=2)
+    start = 0
+    while start < len(order):
+        end = start + 1  # grow the batch while (sentences x longest source) fits the budget
+        while end < len(order) and (end - start + 1) * (len(encoded[order[end]]) + 1) <= params.batch_tokens:
+            end += 1
+        batch = [encoded[i] + [vocab.EOS_ID] for i in order[start:end]]
+        src = torch.full((len(batch), max(map(len, batch))), vocab.PAD_ID, dtype=torch.long)
+        for row, ids in enumerate(batch):
+            src[row, : len(ids)] = torch.tensor(ids)
+        src = src.to(device)
+        max_lengths = torch.tensor([min(len(ids) - 1 + params.max_length_extra, limit) for ids in batch],
+                                   device=device).clamp(min=1)
+        decoder = IncrementalDecoder(model, src, params.beam_size)
+        hyps = beam_search(decoder, len(batch), params.beam_size, max_lengths, vocab.BOS_ID, vocab.EOS_ID,
+                           params.length_penalty)
+        for i, found in zip(order[start:end], hyps, strict=True):
+            out[i] = sp.decode(found[0].tokens) if found else ""
+        bar.update(end - start)
+        start = end
+    bar.close()
+    return out
+
+
+def run(params: DecodeParams, *, model_path: str | Path, vocab_dir: str | Path, clean_dir: str | Path,
+        out_dir: str | Path) -> dict[str, float]:
+    clean_dir = require_dir(clean_dir, "clean text (clean stage output)")
+    if params.beam_size < 1:
+        raise PipelineError(f"decode.beam_size must be at least 1, not {params.beam_size}")
+    src_lang, tgt_lang = read_manifest(clean_dir)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_translator(model_path, device)
+    sp = vocab.load(vocab_dir)
+    metrics: dict[str, float] = {}
+    for split in SPLITS:
+        lines = list(read_lines(split_path(clean_dir, split, src_lang)))
+        hyps = translate(model, sp, lines, params, desc=f"decode {split}")
+        with atomic_write(split_path(out_dir, split, tgt_lang)) as f:
+            f.writelines(h + "\n" for h in hyps)
+        metrics[f"{split}_sentences"] = len(hyps)
+    return metrics
