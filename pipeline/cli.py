@@ -1,0 +1,144 @@
+"""The one command line: every stage by name (as dvc.yaml runs them), the whole pipeline as a
+Prefect flow, and presets.
+
+    python -m pipeline clean --raw-dir data/raw --out-dir data/clean --metrics metrics/clean.json
+    python -m pipeline run --preset quickstart -S train.max_steps=500
+    python -m pipeline quickstart
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline import config, tracking
+from pipeline.config import Params
+from stages import average, clean, decode, download, encode, score, train, vocab
+from stages.io import PipelineError, file_digest, write_json
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """How the command line calls one stage: its params sections and its path arguments."""
+
+    sections: tuple[str, ...]  # params.yaml sections the stage reads (dvc.yaml lists the same)
+    inputs: tuple[str, ...]  # path arguments it reads, hashed into the MLflow tags
+    outputs: tuple[str, ...]  # path arguments it writes
+    call: Callable[[Params, dict[str, Path], tracking.Tracker], dict[str, Any]]
+    artifacts: tuple[str, ...] = ()  # outputs logged to MLflow
+    reads: Callable[[Params], list[Path]] = field(default=lambda p: [])  # files named by params
+
+
+STAGES: dict[str, StageSpec] = {
+    "download": StageSpec(
+        ("download",), (), ("out_dir",), lambda p, a, t: download.run(p.download, **a),
+        reads=lambda p: [Path(p.download.local_dir) / f for c in (*p.download.train, p.download.dev, p.download.test)
+                         for f in (c.src, c.tgt)]),
+    "clean": StageSpec(("clean",), ("raw_dir",), ("out_dir",), lambda p, a, t: clean.run(p.clean, **a)),
+    "vocab": StageSpec(("vocab",), ("clean_dir",), ("out_dir",), lambda p, a, t: vocab.run(p.vocab, **a),
+                       artifacts=("out_dir",)),
+    "encode": StageSpec((), ("clean_dir", "vocab_dir"), ("out_dir",), lambda p, a, t: encode.run(**a)),
+    "train": StageSpec(("model", "train"), ("encoded_dir", "vocab_dir"), ("checkpoint_dir", "plots_dir"),
+                       lambda p, a, t: train.run(p.model, p.train, **a, log=t.log_metrics),
+                       artifacts=("plots_dir",)),
+    "average": StageSpec(("average",), ("checkpoint_dir",), ("out_path",),
+                         lambda p, a, t: average.run(p.average, **a), artifacts=("out_path",)),
+    "decode": StageSpec(("decode",), ("model_path", "vocab_dir", "clean_dir"), ("out_dir",),
+                        lambda p, a, t: decode.run(p.decode, **a), artifacts=("out_dir",)),
+    "score": StageSpec(("score",), ("hyp_dir", "ref_dir"), (), lambda p, a, t: score.run(p.score, **a)),
+}
+
+
+def run_stage(name: str, paths: dict[str, Path], metrics_path: Path | None,
+              params_path: Path = config.PARAMS_FILE) -> dict[str, Any]:
+    """Run one stage as DVC, the flow and a user at the shell all do: load params, track, run, record."""
+    spec = STAGES[name]
+    params = config.load_params(params_path)
+    sections = {s: getattr(params, s) for s in spec.sections}
+    flat = {f"{s}.{k}": v for s, section in sections.items() for k, v in config.as_flat_dict(section).items()}
+    hashed = {f"data.{k}": file_digest(paths[k]) for k in spec.inputs if paths[k].exists()}
+    if files := spec.reads(params):
+        hashed["data.inputs"] = _combined_digest([f for f in files if f.exists()])
+    experiment = tracking.experiment_name(params.download.src_lang, params.download.tgt_lang)
+    with tracking.stage_run(name, experiment, flat, hashed) as tracker:
+        metrics = spec.call(params, paths, tracker)
+        tracker.log_metrics(metrics)
+        if metrics_path is not None:
+            write_json(metrics_path, metrics)
+            tracker.log_artifact(metrics_path)
+        for out in spec.artifacts:
+            tracker.log_artifact(paths[out])
+    return metrics
+
+
+def _combined_digest(files: list[Path]) -> str:
+    return hashlib.md5("".join(file_digest(f) for f in files).encode()).hexdigest()
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, spec in STAGES.items():
+        p = sub.add_parser(name, help=f"run the {name} stage alone")
+        for arg in spec.inputs + spec.outputs:
+            p.add_argument(_option(arg), dest=arg, type=Path, required=True)
+        p.add_argument("--metrics", type=Path, help="write the stage's metrics here (JSON)")
+        p.add_argument("--params", type=Path, default=config.PARAMS_FILE, help="parameters file (params.yaml)")
+    run = sub.add_parser("run", help="apply presets and overrides to params.yaml, then run the Prefect flow")
+    quick = sub.add_parser("quickstart", help="the whole pipeline on the bundled corpus, in minutes on a CPU")
+    for p in (run, quick):
+        p.add_argument("--preset", action="append", default=[], help="presets/<name>.yaml, applied in order")
+        p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override one parameter, as `dvc exp run -S`")
+    preset = sub.add_parser("preset", help="apply presets and overrides to params.yaml without running")
+    preset.add_argument("names", nargs="*")
+    preset.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    preset.add_argument("--dvc-args", action="store_true", help="print the -S arguments for `dvc exp run` instead")
+    return parser
+
+
+def collect_overrides(presets: list[str], overrides: list[str]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for name in presets:
+        merged.update(config.load_preset(name))
+    merged.update(dict(config.parse_override(o) for o in overrides))
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command in STAGES:
+            spec = STAGES[args.command]
+            paths = {k: getattr(args, k) for k in spec.inputs + spec.outputs}
+            run_stage(args.command, paths, args.metrics, args.params)
+        elif args.command == "preset":
+            overrides = collect_overrides(args.names, args.overrides)
+            if args.dvc_args:
+                print(" ".join(f"-S '{k}={v if isinstance(v, str) else json.dumps(v)}'" for k, v in overrides.items()))
+            else:
+                config.apply_overrides(overrides)
+                print(f"params.yaml: set {', '.join(overrides) or 'nothing'}")
+        else:
+            from pipeline import flow
+
+            presets = ["quickstart", *args.preset] if args.command == "quickstart" else args.preset
+            flow.pipeline(presets=presets, overrides=collect_overrides([], args.overrides))
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""params.yaml -> frozen, typed objects, composed from each stage's own params class.
+
+Every key must be known and present: a typo or a forgotten key stops the run with the file, the
+line and the key named, before any stage does work. Presets (presets/<name>.yaml) are sets of
+dotted-key overrides, layered onto params.yaml as `dvc exp run -S key=value` does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from stages.average import AverageParams
+from stages.clean import CleanParams
+from stages.decode import DecodeParams
+from stages.download import DownloadParams
+from stages.io import PipelineError, atomic_write
+from stages.score import ScoreParams
+from stages.train import TrainParams
+from stages.vocab import VocabParams
+from transformer import TransformerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+PARAMS_FILE = ROOT / "params.yaml"
+PRESETS_DIR = ROOT / "presets"
+
+
+@dataclass(frozen=True)
+class Params:
+    download: DownloadParams
+    clean: CleanParams
+    vocab: VocabParams
+    model: TransformerConfig
+    train: TrainParams
+    average: AverageParams
+    decode: DecodeParams
+    score: ScoreParams
+
+
+class ConfigError(PipelineError):
+    pass
+
+
+class _Source:
+    """Where the values came from, to point errors at a line."""
+
+    def __init__(self, name: str, text: str) -> None:
+        self.name = name
+        self.lines: dict[str, int] = {}
+        try:
+            self._index(yaml.compose(text, Loader=yaml.SafeLoader), "")
+        except yaml.YAMLError:
+            pass  # safe_load reports it with its own position
+
+    def _index(self, node: yaml.Node | None, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                path = f"{prefix}{key.value}"
+                self.lines[path] = key.start_mark.line + 1
+                self._index(value, path + ".")
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self.lines[f"{prefix}{i}"] = item.start_mark.line + 1
+                self._index(item, f"{prefix}{i}.")
+
+    def error(self, key: str, message: str) -> ConfigError:
+        line = self.lines.get(key) or self.lines.get(key.rsplit(".", 1)[0])
+        return ConfigError(f"{self.name}{f':{line}' if line else ''}: {key}: {message}")
+
+
+def _convert(tp: Any, value: Any, key: str, src: _Source) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise src.error(key, f"expected a mapping of {', '.join(f.name for f in dataclasses.fields(tp))}")
+        return _build(tp, value, key + ".", src)
+    if origin is Literal:
+        if value not in args:
+            raise src.error(key, f"{value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise src.error(key, f"expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v, f"{key}.{i}", src) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise src.error(key, f"expected {len(args)} values, got {len(value)}")
+        return tuple(_convert(a, v, f"{key}.{i}", src) for i, (a, v) in enumerate(zip(args, value, strict=True)))
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _convert(next(a for a in args if a is not type(None)), value, key, src)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise src.error(key, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise src.error(key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise src.error(key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise src.error(key, f"expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{key}: unsupported parameter type {tp}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str, src: _Source) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in hints:
+            raise src.error(f"{prefix}{key}", f"unknown key (known here: {', '.join(names)})")
+    missing = [n for n in names if n not in data]
+    if missing:
+        where = prefix.rstrip(".") or "the top level"
+        raise src.error(f"{prefix}{missing[0]}", f"missing key in {where}")
+    return cls(**{n: _convert(hints[n], data[n], prefix + n, src) for n in names})
+
+
+def parse_params(text: str, name: str) -> Params:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{name}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name}: expected a mapping of stage names to their parameters")
+    return _build(Params, data, "", _Source(name, text))
+
+
+def load_params(path: str | Path = PARAMS_FILE) -> Params:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: parameters file not found")
+    return parse_params(path.read_text(encoding="utf-8"), str(path))
+
+
+def as_flat_dict(params: Any, prefix: str = "") -> dict[str, Any]:
+    """{'train.max_steps': 100000, ...}: for logging, with each stage's prefix."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(as_flat_dict(value, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = _plain(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+# -- presets and overrides ----------------------------------------------------------------------
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    path = PRESETS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"no preset '{name}' (known: {', '.join(preset_names())})")
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of dotted keys to values")
+    return data
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'train.max_steps=300000' -> ('train.max_steps', 300000), values read as YAML, as DVC's -S."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r}: expected key=value")
+    return key.strip(), yaml.safe_load(value)
+
+
+def _flow_style(value: Any) -> Any:
+    """Mappings and lists written inline ({src: a, tgt: b}), as params.yaml writes them."""
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+    if isinstance(value, dict):
+        node = CommentedMap((k, _flow_style(v)) for k, v in value.items())
+    elif isinstance(value, list):
+        node = CommentedSeq(_flow_style(v) for v in value)
+    else:
+        return value
+    node.fa.set_flow_style()
+    return node
+
+
+def apply_overrides(overrides: dict[str, Any], path: str | Path = PARAMS_FILE) -> Params:
+    """Set dotted keys in params.yaml, keeping its comments, after checking the result is valid."""
+    from ruamel.yaml import YAML  # DVC's own YAML library, which keeps comments
+
+    path = Path(path)
+    rt = YAML()
+    rt.preserve_quotes = True
+    data = rt.load(path.read_text(encoding="utf-8"))
+    for key, value in overrides.items():
+        node, *_ = parts = key.split(".")
+        node = data
+        for part in parts[:-1]:
+            if not isinstance(node, dict) or part not in node:
+                raise ConfigError(f"{path}: override {key}: unknown key")
+            node = node[part]
+        if not isinstance(node, dict) or parts[-1] not in node:
+            raise ConfigError(f"{path}: override {key}: unknown key")
+        node[parts[-1]] = _flow_style(value)
+    buffer = io.StringIO()
+    rt.dump(data, buffer)
+    params = parse_params(buffer.getvalue(), f"{path} (with overrides {', '.join(overrides)})")
+    with atomic_write(path) as f:
+        f.write(buffer.getvalue())
+    return params

@@ -1,0 +1,91 @@
+"""The Prefect flow: the DAG of dvc.yaml, one task per stage, in dependency order.
+
+Each task runs `dvc repro --single-item <stage>`, so DVC decides whether the stage is stale and
+remains the only cache: the flow never caches, and a stage DVC finds unchanged is reported as
+skipped. The stages' output streams into the task's log, visible in the Prefect UI.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline by default; before Prefect loads
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+from pipeline import config, tracking
+from stages.io import PipelineError, read_json
+
+METRICS_DIR = config.ROOT / "metrics"
+
+
+def dvc_stages(root: Path = config.ROOT) -> list[str]:
+    """Stage names of dvc.yaml, each after every stage it depends on (DVC's own graph)."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        graph = repo.index.graph  # edges point from a stage to the stages it depends on
+        return [stage.addressing for stage in reversed(list(nx.topological_sort(graph)))]
+
+
+def _stream(proc: subprocess.Popen, logger: Any) -> list[str]:
+    """Forward a process's output line by line; progress bars' carriage returns end a line too."""
+    lines, pending = [], ""
+    assert proc.stdout is not None
+    for chunk in iter(lambda: proc.stdout.read(4096), ""):
+        parts = re.split(r"[\r\n]", pending + chunk)
+        pending = parts.pop()
+        for line in filter(str.strip, parts):
+            logger.info(line)
+            lines.append(line)
+    if pending.strip():
+        logger.info(pending)
+        lines.append(pending)
+    return lines
+
+
+@task(cache_policy=NO_CACHE, task_run_name="{stage}")
+def run_stage(stage: str) -> str:
+    """`dvc repro` one stage; returns 'ran' or 'skipped' (DVC found it unchanged)."""
+    logger = get_run_logger()
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the stages' python
+    env.setdefault("TQDM_MININTERVAL", "10")
+    env["PYTHONUNBUFFERED"] = "1"  # the stage's lines reach the Prefect log as they are printed
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "--single-item", stage], cwd=config.ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = _stream(proc, logger)
+    if proc.wait() != 0:
+        raise PipelineError(f"stage '{stage}' failed (dvc repro exited {proc.returncode}); "
+                            f"the stages before it keep their outputs")
+    return "skipped" if any("didn't change, skipping" in line for line in lines) else "ran"
+
+
+@flow(name="transformer-pipeline", log_prints=True)
+def pipeline(presets: list[str] | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Apply presets and overrides to params.yaml, then run every stage of dvc.yaml in order."""
+    merged: dict[str, Any] = {}
+    for name in presets or []:
+        merged.update(config.load_preset(name))
+    merged.update(overrides or {})
+    params = config.apply_overrides(merged) if merged else config.load_params()
+    experiment = tracking.experiment_name(params.download.src_lang, params.download.tgt_lang)
+    tags = {"presets": ",".join(presets or []) or "none", "prefect_flow_run_id": str(flow_run.get_id())}
+    with tracking.pipeline_run(experiment, config.as_flat_dict(params), tags) as parent:
+        states = {}
+        for stage in dvc_stages():
+            states[stage] = run_stage(stage)
+            parent.set_tags({f"stage.{stage}": states[stage]})
+        scores = read_json(METRICS_DIR / "score.json")
+        parent.log_metrics(scores)
+        parent.log_artifact(METRICS_DIR / "score.json")
+    print(f"test BLEU {scores['test']['bleu']:.2f} ({scores['test']['bleu_signature']})")
+    return {"stages": states, "scores": scores}

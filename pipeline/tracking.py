@@ -1,0 +1,179 @@
+"""MLflow records: one run per stage execution, nested under one parent run per pipeline execution.
+
+The store is a SQLite file inside the working tree unless MLFLOW_TRACKING_URI says otherwise. Runs
+are driven through MlflowClient, never the fluent API, so a run's end state is ours to set: FAILED
+when the stage raises, KILLED when it is interrupted or terminated, and a stage killed outright
+(SIGKILL) is marked FAILED by the parent when its process is gone. MLflow is imported lazily, so the
+stages still run on machines without it (tracking is then skipped with a notice).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ROOT
+
+PARENT_ENV = "PIPELINE_MLFLOW_PARENT_RUN_ID"
+DEFAULT_DB = ROOT / "mlflow.db"
+ARTIFACTS = ROOT / "mlartifacts"
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{DEFAULT_DB}"
+
+
+def experiment_name(src_lang: str, tgt_lang: str) -> str:
+    return f"transformer-{src_lang}-{tgt_lang}"
+
+
+def git_commit() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'test': {'bleu': 30.1}} -> {'test_bleu': 30.1}."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}_"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class Tracker:
+    """Logs into one MLflow run; a no-op where MLflow is not installed."""
+
+    def __init__(self, client: Any, run_id: str | None) -> None:
+        self.client, self.run_id = client, run_id
+
+    def log_metrics(self, metrics: dict[str, Any], step: int = 0) -> None:
+        if self.run_id is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in flatten(metrics).items()
+                 if isinstance(v, int | float) and not isinstance(v, bool)]
+        if batch:
+            self.client.log_batch(self.run_id, metrics=batch)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if self.run_id is None:
+            return
+        from mlflow.entities import Param
+
+        items = [Param(k, json.dumps(v) if isinstance(v, list | tuple | dict) else str(v)) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        if self.run_id is not None:
+            for k, v in tags.items():
+                self.client.set_tag(self.run_id, k, v)
+
+    def log_artifact(self, path: str | Path, subdir: str | None = None) -> None:
+        path = Path(path)
+        if self.run_id is None or not path.exists():
+            return
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), subdir or path.name)
+        else:
+            self.client.log_artifact(self.run_id, str(path), subdir)
+
+
+def _client_and_experiment(experiment: str) -> tuple[Any, str] | None:
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        print("note: mlflow is not installed; this run is not tracked")
+        return None
+    client = MlflowClient(tracking_uri=tracking_uri())
+    found = client.get_experiment_by_name(experiment)
+    if found is not None:
+        return client, found.experiment_id
+    artifact_location = ARTIFACTS.as_uri() if "MLFLOW_TRACKING_URI" not in os.environ else None
+    return client, client.create_experiment(experiment, artifact_location=artifact_location)
+
+
+@contextlib.contextmanager
+def _terminated_on_exit(client: Any, run_id: str) -> Iterator[None]:
+    """FINISHED on success, KILLED on Ctrl-C or SIGTERM, FAILED on any other error."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    except KeyboardInterrupt:
+        client.set_terminated(run_id, "KILLED")
+        raise
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    else:
+        client.set_terminated(run_id, "FINISHED")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, experiment: str, params: dict[str, Any], tags: dict[str, str]) -> Iterator[Tracker]:
+    """An MLflow run for one stage, nested under the pipeline's parent run when there is one."""
+    found = _client_and_experiment(experiment)
+    if found is None:
+        yield Tracker(None, None)
+        return
+    client, experiment_id = found
+    all_tags = {"stage": stage, "git_commit": git_commit(), **tags}
+    if parent := os.environ.get(PARENT_ENV):
+        all_tags["mlflow.parentRunId"] = parent
+    run = client.create_run(experiment_id, run_name=stage, tags=all_tags)
+    tracker = Tracker(client, run.info.run_id)
+    with _terminated_on_exit(client, run.info.run_id):
+        tracker.log_params(params)
+        yield tracker
+
+
+@contextlib.contextmanager
+def pipeline_run(experiment: str, params: dict[str, Any], tags: dict[str, str]) -> Iterator[Tracker]:
+    """The parent run of one pipeline execution; stage processes started inside nest under it."""
+    found = _client_and_experiment(experiment)
+    if found is None:
+        yield Tracker(None, None)
+        return
+    client, experiment_id = found
+    run = client.create_run(experiment_id, run_name="pipeline", tags={"git_commit": git_commit(), **tags})
+    run_id = run.info.run_id
+    tracker = Tracker(client, run_id)
+    os.environ[PARENT_ENV] = run_id
+    try:
+        with _terminated_on_exit(client, run_id):
+            tracker.log_params(params)
+            yield tracker
+    finally:
+        os.environ.pop(PARENT_ENV, None)
+        fail_orphans(client, experiment_id, run_id)
+
+
+def fail_orphans(client: Any, experiment_id: str, parent_run_id: str) -> None:
+    """Stage runs still RUNNING once the pipeline is over lost their process (e.g. SIGKILL): FAILED."""
+    for child in client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}' "
+                                                     "and attributes.status = 'RUNNING'"):
+        client.set_terminated(child.info.run_id, "FAILED")
