@@ -140,15 +140,16 @@ def phrase(rng: random.Random) -> tuple[str, str]:
 
 def generate(out_dir: Path, seed: int = 2017, sizes: tuple[int, int, int] = (30000, 500, 500)) -> None:
     rng = random.Random(seed)
-    seen: set[str] = set()
+    held_out: set[str] = set()  # dev and test phrases: each once, and never in training
     splits = {}
     for name, size in zip(("test", "dev", "train"), sizes[::-1], strict=True):
         pairs: list[tuple[str, str]] = []
         while len(pairs) < size:
             en, de = phrase(rng)
-            if name != "train" and en in seen:
-                continue  # held-out phrases never appear in training
-            seen.add(en)
+            if en in held_out:
+                continue
+            if name != "train":
+                held_out.add(en)
             pairs.append((en, de))
         splits[name] = pairs
     out_dir.mkdir(parents=True, exist_ok=True)
