@@ -1,0 +1,83 @@
+"""The token-budget batch sampler: coverage, determinism, exact resume, sharing over processes."""
+import numpy as np
+import pytest
+import torch
+
+from stages.batching import BatchSampler, collate, token_batches
+
+rng = np.random.default_rng(0)
+SRC = rng.integers(1, 60, 2000)
+TGT = np.clip(SRC + rng.integers(-5, 6, 2000), 1, None)
+
+
+def test_batches_cover_every_pair_once_within_budget():
+    batches, dropped = token_batches(SRC, TGT, 500, seed=1)
+    assert dropped == 0
+    covered = np.concatenate(batches)
+    assert sorted(covered.tolist()) == list(range(len(SRC)))
+    for b in batches:
+        assert len(b) * max((SRC[b] + 1).max(), (TGT[b] + 1).max()) <= 500
+
+
+def test_length_bucketing_keeps_padding_low():
+    batches, _ = token_batches(SRC, TGT, 2000, seed=1)
+    real = sum(int(TGT[b].sum() + len(b)) for b in batches)
+    padded = sum(len(b) * int(TGT[b].max() + 1) for b in batches)
+    assert real / padded > 0.95
+
+
+def test_too_long_sentences_are_dropped_and_counted():
+    batches, dropped = token_batches(np.array([3, 300, 4]), np.array([3, 5, 4]), 100, seed=None)
+    assert dropped == 1 and sorted(np.concatenate(batches).tolist()) == [0, 2]
+
+
+def _epoch(sampler):
+    return [next(sampler).tolist() for _ in range(len(sampler))]
+
+
+def test_same_seed_same_batches_and_each_epoch_reshuffled():
+    batches, _ = token_batches(SRC, TGT, 500, seed=1)
+    a, b = BatchSampler(batches, seed=7), BatchSampler(batches, seed=7)
+    first = _epoch(a)
+    assert first == _epoch(b)
+    second = _epoch(a)
+    assert second != first and sorted(map(tuple, first)) == sorted(map(tuple, second))
+    assert _epoch(BatchSampler(batches, seed=8)) != first
+
+
+def test_resume_mid_epoch_yields_the_remaining_batches_exactly():
+    batches, _ = token_batches(SRC, TGT, 500, seed=1)
+    reference = BatchSampler(batches, seed=3)
+    stream = [next(reference).tolist() for _ in range(len(reference) + 10)]
+    interrupted = BatchSampler(batches, seed=3)
+    head = [next(interrupted).tolist() for _ in range(len(interrupted) - 4)]
+    resumed = BatchSampler(batches, seed=3)
+    resumed.load_state_dict(interrupted.state_dict())
+    tail = [next(resumed).tolist() for _ in range(14)]
+    assert head + tail == stream
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_processes_get_equal_disjoint_shares(world):
+    batches, _ = token_batches(SRC, TGT, 500, seed=1)
+    samplers = [BatchSampler(batches, seed=3, num_processes=world, rank=r) for r in range(world)]
+    epochs = [_epoch(s) for s in samplers]
+    assert len({len(e) for e in epochs}) == 1
+    seen = [i for e in epochs for batch in e for i in batch]
+    assert len(seen) == len(set(seen))
+    assert len(batches) - len(epochs[0]) * world < world  # at most world - 1 batches left out per epoch
+
+
+def test_collate_adds_eos_and_bos_and_pads():
+    class Corpus:
+        def src(self, i):
+            return np.array([[5, 6], [7]][i])
+
+        def tgt(self, i):
+            return np.array([[8], [9, 10, 11]][i])
+
+    src, tgt_in, tgt_out = collate(Corpus(), np.array([0, 1]))
+    assert src.tolist() == [[5, 6, 3], [7, 3, 0]]
+    assert tgt_in.tolist() == [[2, 8, 0, 0], [2, 9, 10, 11]]
+    assert tgt_out.tolist() == [[8, 3, 0, 0], [9, 10, 11, 3]]
+    assert tgt_in.dtype == torch.long

@@ -1,0 +1,112 @@
+"""params.yaml loads into typed, frozen objects; every mistake names the file, line and key."""
+import dataclasses
+import re
+
+import pytest
+import yaml
+
+from pipeline import config
+from pipeline.config import ConfigError, apply_overrides, load_params, load_preset, parse_params, preset_names
+
+BASE = config.PARAMS_FILE.read_text(encoding="utf-8")
+
+
+def test_committed_params_are_the_papers_base_recipe():
+    p = parse_params(BASE, "params.yaml")
+    assert (p.model.d_model, p.model.n_heads, p.model.d_ff, p.model.encoder_layers, p.model.decoder_layers) == \
+        (512, 8, 2048, 6, 6)
+    assert p.model.dropout == 0.1 and p.model.norm == "post" and p.model.positions == "sinusoidal"
+    assert p.train.adam_betas == (0.9, 0.98) and p.train.adam_eps == 1e-9 and p.train.warmup_steps == 4000
+    assert p.train.label_smoothing == 0.1 and p.train.max_steps == 100_000 and p.train.batch_tokens == 25_000
+    assert p.vocab.vocab_size == 37000 and p.vocab.model_type == "bpe"
+    assert (p.average.last, p.decode.beam_size, p.decode.length_penalty, p.decode.max_length_extra) == (5, 4, 0.6, 50)
+    assert (p.download.src_lang, p.download.tgt_lang) == ("en", "de")
+
+
+def test_params_are_frozen():
+    p = parse_params(BASE, "params.yaml")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.train.max_steps = 1
+
+
+def _broken(old: str, new: str) -> str:
+    assert old in BASE
+    return BASE.replace(old, new, 1)
+
+
+def _line_of(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def test_unknown_key_is_named_with_its_line():
+    text = _broken("  warmup_steps: 4000", "  warmup_steps: 4000\n  warmup_stpes: 4000")
+    with pytest.raises(ConfigError, match=rf"params.yaml:{_line_of(text, 'warmup_stpes')}: train.warmup_stpes: "
+                                          r"unknown key"):
+        parse_params(text, "params.yaml")
+
+
+def test_missing_key_is_named():
+    text = _broken("  label_smoothing: 0.1      # section 5.4\n", "")
+    with pytest.raises(ConfigError, match=r"train.label_smoothing: missing key in train"):
+        parse_params(text, "params.yaml")
+
+
+def test_wrong_type_and_choice_are_named_with_their_line():
+    text = _broken("  d_model: 512", "  d_model: big")
+    with pytest.raises(ConfigError, match=rf":{_line_of(text, 'd_model: big')}: model.d_model: expected an integer"):
+        parse_params(text, "params.yaml")
+    with pytest.raises(ConfigError, match=r"model.norm: 'middle' is not one of 'post', 'pre'"):
+        parse_params(_broken("  norm: post", "  norm: middle"), "params.yaml")
+    with pytest.raises(ConfigError, match=r"train.adam_betas: expected 2 values"):
+        parse_params(_broken("adam_betas: [0.9, 0.98]", "adam_betas: [0.9]"), "params.yaml")
+
+
+def test_malformed_yaml_names_the_line():
+    text = _broken("  beam_size: 4", "  beam_size: [4")
+    with pytest.raises(ConfigError, match=r"params.yaml:\d+: not valid YAML"):
+        parse_params(text, "params.yaml")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="parameters file not found"):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_every_preset_applies_cleanly(tmp_path):
+    assert {"big", "en-fr", "quickstart"} <= set(preset_names())
+    for name in preset_names():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(BASE, encoding="utf-8")
+        p = apply_overrides(load_preset(name), path)
+        reloaded = load_params(path)
+        assert reloaded == p
+        for key, value in load_preset(name).items():
+            section, field = key.split(".")
+            got = getattr(getattr(p, section), field)
+            assert config._plain(got) == value or got == value
+
+
+def test_big_preset_is_the_papers_big_model(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(BASE, encoding="utf-8")
+    p = apply_overrides(load_preset("big"), path)
+    assert (p.model.d_model, p.model.n_heads, p.model.d_ff, p.model.dropout) == (1024, 16, 4096, 0.3)
+    assert (p.train.max_steps, p.average.last) == (300_000, 20)
+
+
+def test_overrides_keep_comments_and_refuse_unknown_keys(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(BASE, encoding="utf-8")
+    apply_overrides({"train.max_steps": 7}, path)
+    text = path.read_text(encoding="utf-8")
+    assert re.search(r"max_steps: 7 +# section 5.2", text)
+    with pytest.raises(ConfigError, match="train.max_stpes: unknown key"):
+        apply_overrides({"train.max_stpes": 7}, path)
+    with pytest.raises(ConfigError, match="train.max_steps: expected an integer"):
+        apply_overrides({"train.max_steps": "many"}, path)
+    assert yaml.safe_load(path.read_text(encoding="utf-8"))["train"]["max_steps"] == 7  # the bad ones wrote nothing
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ConfigError, match=r"no preset 'huge' \(known: .*big"):
+        load_preset("huge")

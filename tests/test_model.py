@@ -1,0 +1,157 @@
+"""The model's masks, cached decoding and beam search."""
+import math
+
+import pytest
+import torch
+
+from transformer import IncrementalDecoder, Transformer, TransformerConfig, beam_search, inverse_sqrt_rate
+from transformer.beam_search import gnmt_length_penalty
+from transformer.loss import label_smoothed_nll_loss
+
+PAD, BOS, EOS = 0, 2, 3
+
+
+def tiny_model(seed: int = 0, norm: str = "post", positions: str = "sinusoidal") -> Transformer:
+    torch.manual_seed(seed)
+    config = TransformerConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=2, decoder_layers=2, dropout=0.0,
+                               attention_dropout=0.0, norm=norm, positions=positions, max_positions=64)
+    model = Transformer(config, vocab_size=23, pad_id=PAD).eval()
+    with torch.no_grad():  # make the model opinionated, so different inputs give clearly different outputs
+        model.embed.weight.mul_(4)
+    return model
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_future_target_tokens_cannot_change_earlier_outputs(norm):
+    model = tiny_model(norm=norm)
+    src = torch.randint(4, 23, (2, 7))
+    tgt = torch.randint(4, 23, (2, 9))
+    changed = tgt.clone()
+    changed[:, 5:] = torch.randint(4, 23, (2, 4))
+    with torch.no_grad():
+        a, b = model(src, tgt), model(src, changed)
+    torch.testing.assert_close(a[:, :5], b[:, :5])
+    assert not torch.allclose(a[:, 5:], b[:, 5:])
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_source_padding_cannot_change_outputs(positions):
+    model = tiny_model(positions=positions)
+    src = torch.randint(4, 23, (1, 6))
+    tgt = torch.randint(4, 23, (1, 5))
+    padded = torch.cat([src, torch.full((1, 4), PAD)], dim=1)
+    with torch.no_grad():
+        memory, pad_mask = model.encode(padded)
+        torch.testing.assert_close(model(src, tgt), model(padded, tgt))
+        # what the encoder computes at padded positions must not leak into the decoder either
+        memory[:, 6:] = 1e3
+        torch.testing.assert_close(model.decode(tgt, memory, pad_mask), model(src, tgt))
+
+
+def test_shared_embedding_is_the_output_projection():
+    model = tiny_model()
+    assert sum(p.numel() for p in model.parameters() if p.shape == (23, 32)) == 23 * 32
+
+
+def test_cached_decoding_equals_full_decoding():
+    model = tiny_model()
+    src = torch.randint(4, 23, (3, 8))
+    src[1, 5:] = PAD
+    tokens = torch.cat([torch.full((3, 1), BOS), torch.randint(4, 23, (3, 6))], dim=1)
+    with torch.no_grad():
+        full = torch.log_softmax(model(src, tokens), dim=-1)
+        decoder = IncrementalDecoder(model, src, beam_size=1)
+        steps = [decoder.step(tokens[:, : t + 1]) for t in range(tokens.size(1))]
+    torch.testing.assert_close(torch.stack(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def _search(model, src, beam, use_cache=True, alpha=0.6):
+    with torch.no_grad():
+        decoder = IncrementalDecoder(model, src, beam, use_cache=use_cache)
+        lengths = src.ne(PAD).sum(1) + 5
+        return beam_search(decoder, src.size(0), beam, lengths, BOS, EOS, alpha)
+
+
+def test_beam_search_with_cache_equals_without():
+    model = tiny_model(seed=3)
+    src = torch.randint(4, 23, (4, 6))
+    cached, uncached = _search(model, src, 4), _search(model, src, 4, use_cache=False)
+    assert [[h.tokens for h in hs] for hs in cached] == [[h.tokens for h in hs] for hs in uncached]
+    for a, b in zip(cached, uncached):
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+
+
+def test_batched_beam_search_equals_one_by_one():
+    model = tiny_model(seed=5)
+    sentences = [torch.randint(4, 23, (n,)) for n in (3, 7, 5, 1, 6)]
+    batch = torch.full((len(sentences), 7), PAD)
+    for i, s in enumerate(sentences):
+        batch[i, : len(s)] = s
+    together = _search(model, batch, 4)
+    for s, hyps in zip(sentences, together):
+        alone = _search(model, s[None], 4)[0]
+        assert alone[0].tokens == hyps[0].tokens
+        assert alone[0].score == pytest.approx(hyps[0].score, abs=1e-4)
+
+
+class ScriptedDecoder:
+    """Next-token log-probabilities that depend only on the last token, from a fixed table."""
+
+    def __init__(self, table: dict[int, dict[int, float]], vocab: int = 6) -> None:
+        self.rows = {}
+        for prev, probs in table.items():
+            row = torch.full((vocab,), float("-inf"))
+            for tok, p in probs.items():
+                row[tok] = math.log(p)
+            self.rows[prev] = row
+
+    def step(self, tokens):
+        return torch.stack([self.rows[int(t)] for t in tokens[:, -1]])
+
+    def reorder(self, order):
+        pass
+
+
+def test_length_penalty_decides_between_short_and_long():
+    # After BOS: EOS at once (p=.4) or token 4 (p=.6); after 4: 5 (p=1); after 5: EOS (p=1).
+    decoder = ScriptedDecoder({BOS: {EOS: 0.4, 4: 0.6}, 4: {5: 1.0}, 5: {EOS: 1.0}})
+    for alpha in (0.0, 0.6, 1.0):
+        hyps = beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, alpha)[0]
+        by_tokens = {tuple(h.tokens): h for h in hyps}
+        short, long = by_tokens[()], by_tokens[(4, 5)]
+        assert short.score == pytest.approx(math.log(0.4) / gnmt_length_penalty(1, alpha))
+        assert long.score == pytest.approx(math.log(0.6) / gnmt_length_penalty(3, alpha))
+        assert hyps[0] is (long if long.score > short.score else short)
+
+
+def test_maximum_length_forces_the_end():
+    decoder = ScriptedDecoder({BOS: {4: 0.9, EOS: 0.1}, 4: {4: 0.9, EOS: 0.1}})
+    best = beam_search(decoder, 1, 1, torch.tensor([3]), BOS, EOS, 0.6)[0][0]
+    assert best.tokens == [4, 4]  # two tokens, then EOS as the third and last
+
+
+def test_schedule_warms_up_then_decays():
+    rates = [inverse_sqrt_rate(s, 512, 4000) for s in (1, 2000, 4000, 16000)]
+    assert rates[0] < rates[1] < rates[2] and rates[3] == pytest.approx(rates[2] / 2)
+    assert rates[2] == pytest.approx(512**-0.5 * 4000**-0.5)
+
+
+def test_label_smoothing_ignores_padding_and_matches_pytorch():
+    logits = torch.randn(2, 5, 11)
+    target = torch.randint(1, 11, (2, 5))
+    target[1, 3:] = PAD
+    loss, nll = label_smoothed_nll_loss(logits, target, 0.1, PAD)
+    expected = torch.nn.functional.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=PAD,
+                                                 label_smoothing=0.1, reduction="sum")
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(nll, torch.nn.functional.cross_entropy(
+        logits.view(-1, 11), target.view(-1), ignore_index=PAD, reduction="sum"))
+
+
+def test_paper_shapes_and_parameter_counts():
+    base = TransformerConfig(512, 8, 2048, 6, 6, 0.1, 0.0, "post", "sinusoidal", 1024)
+    big = TransformerConfig(1024, 16, 4096, 6, 6, 0.3, 0.0, "post", "sinusoidal", 1024)
+    count = lambda c: sum(p.numel() for p in Transformer(c, 37000, PAD).parameters())  # noqa: E731
+    # The paper's Table 3: 65M and 213M. A shared 37k vocabulary gives 63.1M and 214.2M here.
+    assert count(base) == pytest.approx(65e6, rel=0.035)
+    assert count(big) == pytest.approx(213e6, rel=0.01)

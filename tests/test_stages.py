@@ -1,0 +1,290 @@
+"""Each stage on real text from ../shared/data, in a temporary directory, chained as the DAG chains them."""
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sacrebleu
+import torch
+
+from stages import average, clean, decode, download, encode, score, train, vocab
+from stages.io import ParallelFiles, PipelineError, atomic_write, read_lines
+from transformer import TransformerConfig
+
+TRAIN_LINES = 3000  # of each shared training sample, to keep the suite fast
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, shared):
+    """A corpus directory of real WMT14 text: Europarl and News Commentary samples (with their blank
+    lines and carriage returns), newstest2013 as dev and newstest2014 (full) as test."""
+    root = tmp_path_factory.mktemp("stages")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    sample = shared / "wmt14/train-sample/uedin-toy"
+    for name in ("europarl-v7.first10k", "news-commentary.first10k"):
+        for lang in ("en", "de"):
+            with open(sample / f"{name}.{lang}", "rb") as f:
+                head = b"".join(line for _, line in zip(range(TRAIN_LINES), f))
+            (corpus / f"{name}.{lang}").write_bytes(head)
+    return root
+
+
+def download_params(shared, work, **changes):
+    p = dict(source="local", src_lang="en", tgt_lang="de", local_dir=str(work / "corpus"),
+             train=(ParallelFiles("europarl-v7.first10k.en", "europarl-v7.first10k.de"),
+                    ParallelFiles("news-commentary.first10k.en", "news-commentary.first10k.de")),
+             dev=ParallelFiles(str(shared / "wmt14/newstest2013/newstest2013.en"),
+                               str(shared / "wmt14/newstest2013/newstest2013.de")),
+             test=ParallelFiles(str(shared / "wmt14/newstest2014-full/newstest2014-deen-src.en.txt"),
+                                str(shared / "wmt14/newstest2014-full/newstest2014-deen-ref.de.txt")))
+    p.update(changes)
+    return download.DownloadParams(**p)
+
+
+@pytest.fixture(scope="module")
+def raw(shared, work):
+    metrics = download.run(download_params(shared, work), out_dir=work / "raw")
+    return work / "raw", metrics
+
+
+def test_download_gathers_the_splits(raw):
+    raw_dir, metrics = raw
+    assert metrics == {"train_pairs": 2 * TRAIN_LINES, "dev_pairs": 3000, "test_pairs": 3003}
+    assert sum(1 for _ in read_lines(raw_dir / "test.de")) == 3003
+    assert json.loads((raw_dir / "manifest.json").read_text())["src_lang"] == "en"
+
+
+def test_download_refuses_mismatched_files_before_writing(shared, work, tmp_path):
+    (tmp_path / "short.en").write_text("one\ntwo\n")
+    (tmp_path / "short.de").write_text("eins\nzwei\ndrei\n")
+    test = ParallelFiles(str(tmp_path / "short.en"), str(tmp_path / "short.de"))
+    with pytest.raises(PipelineError, match=r"differ in length: .*short.en has 2 lines, .*short.de has 3"):
+        download.run(download_params(shared, work, test=test), out_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_download_errors_name_what_is_missing(shared, work, tmp_path):
+    with pytest.raises(PipelineError, match="download.local_dir: .*nowhere is not a directory"):
+        download.run(download_params(shared, work, local_dir=str(tmp_path / "nowhere")), out_dir=tmp_path / "o")
+    with pytest.raises(PipelineError, match="absent.en: file not found"):
+        download.run(download_params(shared, work, train=(ParallelFiles("absent.en", "absent.de"),)),
+                     out_dir=tmp_path / "o")
+
+
+@pytest.fixture(scope="module")
+def cleaned(raw, work):
+    metrics = clean.run(clean.CleanParams(max_tokens=80, max_ratio=1.5), raw_dir=raw[0], out_dir=work / "clean")
+    return work / "clean", metrics
+
+
+def test_clean_drops_noise_by_reason_and_never_touches_test_sets(cleaned):
+    clean_dir, m = cleaned
+    assert m["dropped_empty"] > 0 and m["dropped_length_ratio"] > 0 and m["dropped_too_long"] > 0
+    assert m["train_pairs"] + m["dropped_empty"] + m["dropped_length_ratio"] + m["dropped_too_long"] == 2 * TRAIN_LINES
+    assert (m["dev_pairs"], m["test_pairs"]) == (3000, 3003)
+    assert not any("\r" in line or not line.strip() for line in read_lines(clean_dir / "train.en"))
+
+
+def test_clean_reasons():
+    p = clean.CleanParams(max_tokens=5, max_ratio=1.5)
+    assert clean.drop_reason("  ", "Hallo", p) == "empty"
+    assert clean.drop_reason("a b c d e f", "a b c d e f", p) == "too_long"
+    assert clean.drop_reason("a b c", "a", p) == "length_ratio"
+    assert clean.drop_reason("a b", "a b c", p) is None
+
+
+@pytest.fixture(scope="module")
+def vocab_dir(cleaned, work):
+    params = vocab.VocabParams(model_type="bpe", vocab_size=1000, character_coverage=1.0,
+                               input_sentence_size=100000, seed=1)
+    metrics = vocab.run(params, clean_dir=cleaned[0], out_dir=work / "vocab")
+    assert metrics == {"vocab_size": 1000}
+    return work / "vocab"
+
+
+def test_vocab_is_shared_by_both_languages(vocab_dir):
+    sp = vocab.load(vocab_dir)
+    assert (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) == (0, 1, 2, 3)
+    for sentence in ("The European Parliament", "Das Europäische Parlament"):
+        assert sp.decode(sp.encode(sentence)) == sentence
+        assert vocab.UNK_ID not in sp.encode(sentence)
+
+
+def test_vocab_too_large_for_the_data_is_a_clear_error(cleaned, tmp_path):
+    params = vocab.VocabParams(model_type="bpe", vocab_size=900000, character_coverage=1.0,
+                               input_sentence_size=100000, seed=1)
+    with pytest.raises(PipelineError, match=r"vocab.vocab_size 900000 is more than the training text supports"):
+        vocab.run(params, clean_dir=cleaned[0], out_dir=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def encoded(cleaned, vocab_dir, work):
+    metrics = encode.run(clean_dir=cleaned[0], vocab_dir=vocab_dir, out_dir=work / "encoded")
+    return work / "encoded", metrics
+
+
+def test_encode_stores_exactly_what_sentencepiece_gives(encoded, cleaned, vocab_dir):
+    encoded_dir, metrics = encoded
+    sp = vocab.load(vocab_dir)
+    corpus = encode.ParallelIds(encoded_dir, "test")
+    lines = list(read_lines(cleaned[0] / "test.en"))
+    assert len(corpus) == 3003
+    for i in (0, 1, 1500, 3002):
+        assert corpus.src(i).tolist() == sp.encode(lines[i])
+    assert metrics["test_en_tokens"] == int(corpus.src_lengths.sum())
+    assert corpus.src_ids.dtype == np.uint16
+
+
+TINY = TransformerConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=1, decoder_layers=1, dropout=0.1,
+                         attention_dropout=0.0, norm="post", positions="sinusoidal", max_positions=512)
+
+
+def train_params(**changes):
+    p = dict(max_steps=6, batch_tokens=1500, grad_accum=1, warmup_steps=4, adam_betas=(0.9, 0.98), adam_eps=1e-9,
+             label_smoothing=0.1, clip_norm=0.0, precision="fp32", compile=False, seed=1, log_every=2,
+             validate_every=3, checkpoint_every_steps=2, checkpoint_every_minutes=0.0, keep_checkpoints=20)
+    p.update(changes)
+    return train.TrainParams(**p)
+
+
+@pytest.fixture(scope="module")
+def trained(encoded, vocab_dir, work):
+    metrics = train.run(TINY, train_params(), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+                        checkpoint_dir=work / "checkpoints", plots_dir=work / "plots")
+    return work / "checkpoints", metrics
+
+
+def test_train_writes_checkpoints_curves_and_finite_metrics(trained, work):
+    checkpoint_dir, m = trained
+    assert [step for step, _ in train.checkpoints(checkpoint_dir)] == [2, 4, 6]
+    assert m["steps"] == 6 and math.isfinite(m["loss"]) and math.isfinite(m["valid_loss"])
+    rows = (work / "plots/train.csv").read_text().splitlines()
+    assert rows[0].startswith("step,loss,nll") and len(rows) == 4  # header + steps 2, 4, 6
+
+
+def test_resume_equals_uninterrupted(encoded, vocab_dir, tmp_path):
+    def run(steps, directory):
+        return train.run(TINY, train_params(max_steps=steps), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+                         checkpoint_dir=directory, plots_dir=tmp_path / "plots")
+
+    run(6, tmp_path / "straight")
+    run(4, tmp_path / "stopped")  # a run stopped after step 4 ...
+    run(6, tmp_path / "stopped")  # ... and resumed to step 6
+    a = train.load_checkpoint(tmp_path / "straight/checkpoint-00000006.pt")
+    b = train.load_checkpoint(tmp_path / "stopped/checkpoint-00000006.pt")
+    same = lambda rows: [(r["step"], r["loss"], r["nll"], r["lr"], r["grad_norm"]) for r in rows]  # noqa: E731
+    assert same(a["history"]) == same(b["history"])
+    valid_b = {r["step"]: r for r in b["valid_history"]}  # the stopped run also validated at its last step
+    assert all(valid_b[r["step"]] == r for r in a["valid_history"])
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=0)
+
+
+def test_resume_with_a_different_model_is_refused(encoded, vocab_dir, trained, tmp_path):
+    other = TransformerConfig(**{**TINY.__dict__, "d_ff": 128})
+    with pytest.raises(PipelineError, match=r"different training run \(model.d_ff changed\)"):
+        train.run(other, train_params(), encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=trained[0],
+                  plots_dir=tmp_path)
+
+
+def test_checkpoints_are_chosen_by_step_not_by_name(tmp_path):
+    for step in (9, 10, 100):
+        (tmp_path / f"checkpoint-{step}.pt").write_bytes(b"")
+    (tmp_path / ".checkpoint-00000200.pt.x.tmp").write_bytes(b"")  # an unfinished write
+    assert [s for s, _ in train.checkpoints(tmp_path)] == [9, 10, 100]
+
+
+def test_loading_refuses_files_that_are_not_our_checkpoints(tmp_path):
+    (tmp_path / "evil.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(PipelineError, match="evil.pt: not a readable checkpoint"):
+        train.load_checkpoint(tmp_path / "evil.pt")
+    torch.save({"model": {}}, tmp_path / "foreign.pt")
+    with pytest.raises(PipelineError, match="foreign.pt: not a checkpoint written by this pipeline"):
+        train.load_checkpoint(tmp_path / "foreign.pt")
+
+
+@pytest.fixture(scope="module")
+def averaged(trained, work):
+    metrics = average.run(average.AverageParams(last=2), checkpoint_dir=trained[0], out_path=work / "model.st")
+    return work / "model.st", metrics
+
+
+def test_average_takes_the_last_n_by_step(averaged, trained):
+    path, metrics = averaged
+    assert metrics == {"averaged": 2, "first_step": 4, "last_step": 6}
+    weights, meta = average.load_model(path)
+    c4, c6 = (train.load_checkpoint(trained[0] / f"checkpoint-0000000{s}.pt")["model"] for s in (4, 6))
+    for k in weights:
+        torch.testing.assert_close(weights[k], (c4[k] + c6[k]) / 2)
+    assert meta["averaged_steps"] == [4, 6] and meta["model_config"]["d_model"] == 32
+
+
+def test_averaging_copies_of_one_checkpoint_returns_it(trained):
+    state = train.load_checkpoint(trained[0] / "checkpoint-00000006.pt")["model"]
+    for k, v in average.average_state_dicts([state] * 3, ["a", "b", "c"]).items():
+        torch.testing.assert_close(v, state[k])
+
+
+def test_average_refuses_mismatched_checkpoints():
+    with pytest.raises(PipelineError, match="b: parameter w has shape"):
+        average.average_state_dicts([{"w": torch.zeros(2)}, {"w": torch.zeros(3)}], ["a", "b"])
+
+
+def test_decode_translates_every_line_in_order(averaged, vocab_dir, cleaned, work):
+    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, max_length_extra=3, batch_tokens=2000)
+    metrics = decode.run(params, model_path=averaged[0], vocab_dir=vocab_dir, clean_dir=cleaned[0],
+                         out_dir=work / "hyps")
+    assert metrics == {"dev_sentences": 3000, "test_sentences": 3003}
+    assert sum(1 for _ in read_lines(work / "hyps/test.de")) == 3003
+
+
+def test_decode_batch_size_does_not_change_translations(averaged, vocab_dir, cleaned):
+    model = decode.load_translator(averaged[0], torch.device("cpu"))
+    lines = list(read_lines(cleaned[0] / "dev.en"))[:40]
+    sp = vocab.load(vocab_dir)
+    params = dict(beam_size=3, length_penalty=0.6, max_length_extra=4)
+    one = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=1, **params))
+    many = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=4000, **params))
+    assert one == many
+
+
+def test_decode_refuses_a_model_that_is_not_ours(tmp_path):
+    (tmp_path / "m.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(PipelineError, match="not a model written by this pipeline"):
+        average.load_model(tmp_path / "m.safetensors")
+
+
+def test_score_reproduces_sacrebleu_on_newstest(shared, tmp_path):
+    ref = list(read_lines(shared / "wmt14/newstest2014-full/newstest2014-deen-ref.de.txt"))
+    hyp = [" ".join(line.split()[::2]) for line in ref]  # a poor but deterministic "translation"
+    result = score.score(score.ScoreParams(tokenize="13a", lowercase=False), hyp, ref, hyp_name="h", ref_name="r")
+    expected = sacrebleu.corpus_bleu(hyp, [ref])
+    assert result["bleu"] == pytest.approx(expected.score) and 0 < result["bleu"] < 100
+    assert result["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    assert result["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyp, [ref]).score)
+
+
+def test_score_refuses_mismatched_or_empty_hypotheses():
+    p = score.ScoreParams(tokenize="13a", lowercase=False)
+    with pytest.raises(PipelineError, match="hyp.de has 1 lines but ref.de has 2"):
+        score.score(p, ["a"], ["a", "b"], hyp_name="hyp.de", ref_name="ref.de")
+    with pytest.raises(PipelineError, match="hyp.de: the hypotheses are empty"):
+        score.score(p, ["", ""], ["a", "b"], hyp_name="hyp.de", ref_name="ref.de")
+
+
+def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
+    target = tmp_path / "out.txt"
+    target.write_text("old")
+    with pytest.raises(RuntimeError), atomic_write(target) as f:
+        f.write("half")
+        raise RuntimeError("killed")
+    assert target.read_text() == "old" and list(tmp_path.iterdir()) == [target]
+
+
+def test_invalid_utf8_names_file_line_and_byte(tmp_path):
+    path = tmp_path / "bad.en"
+    path.write_bytes(b"fine\nalso fine\nbro\xffken\n")
+    with pytest.raises(PipelineError, match=r"bad.en:3: invalid UTF-8 at byte 18"):
+        list(read_lines(path))
