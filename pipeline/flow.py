@@ -64,8 +64,8 @@ def run_stage(stage: str) -> str:
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = _stream(proc, logger)
     if proc.wait() != 0:
-        raise PipelineError(f"stage '{stage}' failed (dvc repro exited {proc.returncode}); "
-                            f"the stages before it keep their outputs")
+        reason = next((line for line in reversed(lines) if line.startswith(("error:", "ERROR:"))), "see its log")
+        raise PipelineError(f"stage '{stage}' failed ({reason}); the stages before it keep their outputs")
     return "skipped" if any("didn't change, skipping" in line for line in lines) else "ran"
 
 

@@ -20,8 +20,8 @@ class ScoreParams:
 
 def score(params: ScoreParams, hypotheses: list[str], references: list[str], *, hyp_name: str,
           ref_name: str) -> dict[str, float | str]:
-    if not hypotheses or all(not h.strip() for h in hypotheses):
-        raise PipelineError(f"{hyp_name}: the hypotheses are empty; nothing to score")
+    if not hypotheses:
+        raise PipelineError(f"{hyp_name}: the file is empty; nothing to score")
     if len(hypotheses) != len(references):
         raise PipelineError(f"{hyp_name} has {len(hypotheses)} lines but {ref_name} has {len(references)}")
     bleu = BLEU(tokenize=params.tokenize, lowercase=params.lowercase)

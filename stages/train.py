@@ -282,12 +282,13 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: st
 
     bar = tqdm(total=params.max_steps, initial=trainer.step, desc="train", unit=" steps", disable=not main,
                mininterval=2)
-    window = {"loss_sum": 0.0, "nll_sum": 0.0, "tokens": 0.0, "src_tokens": 0.0, "time": 0.0}
+    window = {"loss_sum": 0.0, "nll_sum": 0.0, "tokens": 0.0, "src_tokens": 0.0, "time": 0.0, "steps": 0.0}
     last_save = time.monotonic()
     while trainer.step < params.max_steps:
         t0 = time.perf_counter()
         out = trainer.train_step()
         window["time"] += time.perf_counter() - t0
+        window["steps"] += 1
         for k in ("loss_sum", "nll_sum", "tokens", "src_tokens"):
             window[k] += out[k]
         bar.update(1)
@@ -298,8 +299,7 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: st
             loss_sum, nll_sum, tokens, src_tokens = sums.tolist()
             row = {"step": step, "loss": loss_sum / tokens, "nll": nll_sum / tokens,
                    "ppl": math.exp(min(nll_sum / tokens, 50.0)), "lr": out["lr"], "grad_norm": out["grad_norm"],
-                   "tgt_tokens_per_step": tokens / (params.log_every if step % params.log_every == 0 else
-                                                    max(step % params.log_every, 1)),
+                   "tgt_tokens_per_step": tokens / window["steps"],
                    "tgt_tokens_per_sec": tokens / max(window["time"], 1e-9),
                    "src_tokens_per_sec": src_tokens / max(window["time"], 1e-9)}
             trainer.history.append(row)

@@ -270,8 +270,9 @@ def test_score_refuses_mismatched_or_empty_hypotheses():
     p = score.ScoreParams(tokenize="13a", lowercase=False)
     with pytest.raises(PipelineError, match="hyp.de has 1 lines but ref.de has 2"):
         score.score(p, ["a"], ["a", "b"], hyp_name="hyp.de", ref_name="ref.de")
-    with pytest.raises(PipelineError, match="hyp.de: the hypotheses are empty"):
-        score.score(p, ["", ""], ["a", "b"], hyp_name="hyp.de", ref_name="ref.de")
+    with pytest.raises(PipelineError, match="hyp.de: the file is empty"):
+        score.score(p, [], ["a", "b"], hyp_name="hyp.de", ref_name="ref.de")
+    assert score.score(p, ["", ""], ["a b c d", "e f g h"], hyp_name="h", ref_name="r")["bleu"] == 0.0
 
 
 def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):

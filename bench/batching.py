@@ -1,0 +1,72 @@
+"""Padding and batch fill of the token-budget sampler against random batching, on the same real data.
+
+    python bench/batching.py [--budget 3125] [--vocab 8000]
+
+Encodes the shared WMT14 Europarl sample with a sentencepiece BPE model learned on the spot, then
+builds batches both ways under the same budget (padded tokens per side per batch) and prints, for
+each, the padding fraction of source and target and the batch fill (real tokens over the budget).
+The default budget is the paper's 25k tokens per step split over its 8 GPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+
+from stages.batching import token_batches
+
+SHARED = Path(os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+def random_batches(src: np.ndarray, tgt: np.ndarray, budget: int, seed: int) -> list[np.ndarray]:
+    """The baseline: sentences in random order, a batch closed when the next would break the budget."""
+    longest = np.maximum(src, tgt) + 1
+    batches, current, width = [], [], 0
+    for i in np.random.default_rng(seed).permutation(len(src)):
+        if current and max(width, longest[i]) * (len(current) + 1) > budget:
+            batches.append(np.array(current))
+            current, width = [], 0
+        current.append(i)
+        width = max(width, longest[i])
+    return batches + ([np.array(current)] if current else [])
+
+
+def measure(batches: list[np.ndarray], src: np.ndarray, tgt: np.ndarray, budget: int) -> dict[str, float]:
+    real_src = sum(int(src[b].sum() + len(b)) for b in batches)  # + EOS / BOS per sentence
+    real_tgt = sum(int(tgt[b].sum() + len(b)) for b in batches)
+    padded_src = sum(len(b) * int(src[b].max() + 1) for b in batches)
+    padded_tgt = sum(len(b) * int(tgt[b].max() + 1) for b in batches)
+    return {"batches": len(batches), "src_padding": 1 - real_src / padded_src, "tgt_padding": 1 - real_tgt / padded_tgt,
+            "fill": max(real_src, real_tgt) / (len(batches) * budget)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget", type=int, default=25000 // 8)
+    parser.add_argument("--vocab", type=int, default=8000)
+    args = parser.parse_args()
+    sample = SHARED / "wmt14/train-sample/hf-europarl-20k"
+    with tempfile.TemporaryDirectory() as tmp:
+        spm.SentencePieceTrainer.train(input=[str(sample / "train.en"), str(sample / "train.de")],
+                                       model_prefix=f"{tmp}/spm", vocab_size=args.vocab, model_type="bpe",
+                                       minloglevel=2, num_threads=os.cpu_count())
+        sp = spm.SentencePieceProcessor(model_file=f"{tmp}/spm.model")
+    src, tgt = (np.array([len(x) for x in sp.encode(open(sample / f"train.{lang}", encoding="utf-8").read()
+                                                     .splitlines())]) for lang in ("en", "de"))
+    keep = np.maximum(src, tgt) < args.budget
+    src, tgt = src[keep], tgt[keep]
+    ours = measure(token_batches(src, tgt, args.budget, seed=1)[0], src, tgt, args.budget)
+    peer = measure(random_batches(src, tgt, args.budget, seed=1), src, tgt, args.budget)
+    print(f"{len(src)} pairs of the WMT14 Europarl sample, budget {args.budget} tokens per side per batch")
+    print(f"{'':22}{'batches':>9}{'src padding':>13}{'tgt padding':>13}{'fill':>8}")
+    for name, m in (("token-bucketed (ours)", ours), ("random", peer)):
+        print(f"{name:22}{m['batches']:>9}{m['src_padding']:>13.1%}{m['tgt_padding']:>13.1%}{m['fill']:>8.1%}")
+    print(f"ratio ours/random: batches {ours['batches'] / peer['batches']:.2f}x, fill {ours['fill'] / peer['fill']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
