@@ -8,11 +8,10 @@ Prefect flow, and presets.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,13 @@ class StageSpec:
     outputs: tuple[str, ...]  # path arguments it writes
     call: Callable[[Params, dict[str, Path], tracking.Tracker], dict[str, Any]]
     artifacts: tuple[str, ...] = ()  # outputs logged to MLflow
-    reads: Callable[[Params], list[Path]] = field(default=lambda p: [])  # files named by params
+    source_digest: Callable[[Params], str] | None = None  # identifies inputs named by params, not paths
 
 
 STAGES: dict[str, StageSpec] = {
     "download": StageSpec(
         ("download",), (), ("out_dir",), lambda p, a, t: download.run(p.download, **a),
-        reads=lambda p: [Path(p.download.local_dir) / f for c in (*p.download.train, p.download.dev, p.download.test)
-                         for f in (c.src, c.tgt)]),
+        source_digest=lambda p: download.source_digest(p.download)),
     "clean": StageSpec(("clean",), ("raw_dir",), ("out_dir",), lambda p, a, t: clean.run(p.clean, **a)),
     "vocab": StageSpec(("vocab",), ("clean_dir",), ("out_dir",), lambda p, a, t: vocab.run(p.vocab, **a),
                        artifacts=("out_dir",)),
@@ -62,8 +60,8 @@ def run_stage(name: str, paths: dict[str, Path], metrics_path: Path | None,
     sections = {s: getattr(params, s) for s in spec.sections}
     flat = {f"{s}.{k}": v for s, section in sections.items() for k, v in config.as_flat_dict(section).items()}
     hashed = {f"data.{k}": file_digest(paths[k]) for k in spec.inputs if paths[k].exists()}
-    if files := spec.reads(params):
-        hashed["data.inputs"] = _combined_digest([f for f in files if f.exists()])
+    if spec.source_digest is not None:
+        hashed["data.source"] = spec.source_digest(params)
     experiment = tracking.experiment_name(params.download.src_lang, params.download.tgt_lang)
     with tracking.stage_run(name, experiment, flat, hashed) as tracker:
         metrics = spec.call(params, paths, tracker)
@@ -74,10 +72,6 @@ def run_stage(name: str, paths: dict[str, Path], metrics_path: Path | None,
         for out in spec.artifacts:
             tracker.log_artifact(paths[out])
     return metrics
-
-
-def _combined_digest(files: list[Path]) -> str:
-    return hashlib.md5("".join(file_digest(f) for f in files).encode()).hexdigest()
 
 
 def _option(name: str) -> str:

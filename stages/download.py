@@ -1,56 +1,180 @@
 """Stage 1, download: gather the train, dev and test parallel text into one directory.
 
-Source `local` reads a directory of parallel files the user already has (their own data, or no
-network). Output: <out>/{train,dev,test}.{src_lang,tgt_lang} and a manifest with the counts.
+Source `wmt14` fetches the official archives (verified, resumable, from mirrors in order), extracts
+the paper's corpora safely and parses the SGML test set. Source `local` reads parallel files the
+user already has (their own data, or no network). Output: <out>/{train,dev,test}.{src,tgt} and a
+manifest with the languages, the training corpora in order and every count.
 """
 from __future__ import annotations
 
+import hashlib
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from tqdm import tqdm
 
-from stages.io import ParallelFiles, PipelineError, atomic_write, read_parallel, split_path, write_manifest
+from stages import wmt14
+from stages.fetch import extract, fetch, open_member
+from stages.io import ParallelFiles, PipelineError, atomic_write, count_lines, file_digest, split_path, \
+    write_manifest
 
 
 @dataclass(frozen=True)
-class DownloadParams:
-    source: Literal["local"]
-    src_lang: str
-    tgt_lang: str
-    local_dir: str  # the directory the files below are relative to
+class Wmt14Source:
+    corpora: tuple[str, ...]  # training corpora, concatenated in this order
+    test: Literal["full", "filtered"]  # newstest2014 as sacreBLEU's wmt14/full (3003, the paper's) or wmt14
+    mirrors: tuple[str, ...]  # base addresses tried in order before statmt.org's own
+    archive_dir: str  # archives are kept (and verified) here between runs
+
+
+@dataclass(frozen=True)
+class LocalSource:
+    dir: str  # the directory the files below are relative to
     train: tuple[ParallelFiles, ...]  # concatenated in this order
     dev: ParallelFiles
     test: ParallelFiles
 
 
-def run(params: DownloadParams, *, out_dir: str | Path) -> dict[str, int]:
-    root = Path(params.local_dir)
-    if not root.is_dir():
-        raise PipelineError(f"download.local_dir: {root} is not a directory")
+@dataclass(frozen=True)
+class DownloadParams:
+    source: Literal["wmt14", "local"]
+    src_lang: str
+    tgt_lang: str
+    wmt14: Wmt14Source
+    local: LocalSource
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """One parallel corpus to copy into the output: a name and its two files."""
+
+    name: str
+    src: Path
+    tgt: Path
+    expected: int | None = None  # published pair count, where there is one
+
+
+def run(params: DownloadParams, *, out_dir: str | Path) -> dict[str, object]:
     if params.src_lang == params.tgt_lang:
         raise PipelineError(f"download: src_lang and tgt_lang are both '{params.src_lang}'")
-    corpora = {"train": params.train, "dev": (params.dev,), "test": (params.test,)}
-    # Check every file pair before writing anything, so a bad one costs no partial output.
-    for files in corpora.values():
-        for pair in files:
-            next(read_parallel(root / pair.src, root / pair.tgt), None)
     out_dir = Path(out_dir)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    counts: dict[str, int] = {}
-    for split, files in corpora.items():
-        n = 0
-        with atomic_write(split_path(out_dir, split, params.src_lang)) as fs, \
-                atomic_write(split_path(out_dir, split, params.tgt_lang)) as ft:
-            for pair in files:
-                for s, t in tqdm(read_parallel(root / pair.src, root / pair.tgt), desc=f"download {split}",
-                                 unit=" pairs", mininterval=2):
-                    fs.write(s + "\n")
-                    ft.write(t + "\n")
-                    n += 1
-        counts[split] = n
-    write_manifest(out_dir, params.src_lang, params.tgt_lang, counts)
-    return {f"{split}_pairs": n for split, n in counts.items()}
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=out_dir.parent) as tmp:  # beside the output: same disk
+        if params.source == "wmt14":
+            splits = _wmt14(params, Path(tmp))
+        else:
+            splits = _local(params.local)
+        # Check every pair of files before writing anything, so a bad one costs no partial output.
+        counts = {c.name: _checked_pairs(c) for corpora in splits.values() for c in corpora}
+        for split, (corpus,) in ((s, c) for s, c in splits.items() if s != "train"):
+            if corpus.expected is not None and counts[corpus.name] != corpus.expected:
+                raise PipelineError(f"{corpus.src}: {counts[corpus.name]} {split} pairs, expected {corpus.expected}")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        for split, corpora in splits.items():
+            _concatenate(corpora, out_dir, split, params.src_lang, params.tgt_lang)
+    train = splits["train"]
+    write_manifest(out_dir, params.src_lang, params.tgt_lang,
+                   {split: sum(counts[c.name] for c in corpora) for split, corpora in splits.items()},
+                   corpora={c.name: counts[c.name] for c in train})
+    metrics: dict[str, object] = {f"{split}_pairs": sum(counts[c.name] for c in cs) for split, cs in splits.items()}
+    metrics["train_corpora"] = {c.name: {"pairs": counts[c.name], "published": c.expected} for c in train}
+    mismatched = [c.name for c in train if c.expected is not None and counts[c.name] != c.expected]
+    for name in mismatched:
+        print(f"warning: {name} has {counts[name]} pairs; {dict((c.name, c.expected) for c in train)[name]} published")
+    return metrics
+
+
+def source_digest(params: DownloadParams) -> str:
+    """md5 identifying what the stage reads: the local files' contents, or the WMT14 archives'
+    published checksums (which pin their contents without reading gigabytes)."""
+    h = hashlib.md5()
+    if params.source == "local":
+        root = Path(params.local.dir)
+        for f in (*params.local.train, params.local.dev, params.local.test):
+            for name in (f.src, f.tgt):
+                h.update(file_digest(root / name).encode() if (root / name).is_file() else b"missing")
+    else:
+        archives = [wmt14.TRAINING_ARCHIVES[c] for c in params.wmt14.corpora if c in wmt14.TRAINING_ARCHIVES]
+        for archive in (*archives, wmt14.DEV_ARCHIVE, wmt14.test_set(params.wmt14.test, params.tgt_lang)[0]):
+            h.update(archive.digest.encode())
+    return h.hexdigest()
+
+
+def _checked_pairs(corpus: Corpus) -> int:
+    """Number of pairs, after checking both files have as many lines."""
+    for path in (corpus.src, corpus.tgt):
+        if not path.is_file():
+            raise PipelineError(f"{path}: file not found")
+    n_src, n_tgt = count_lines(corpus.src), count_lines(corpus.tgt)
+    if n_src != n_tgt:
+        raise PipelineError(f"parallel files differ in length: {corpus.src} has {n_src} lines, "
+                            f"{corpus.tgt} has {n_tgt}")
+    return n_src
+
+
+def _concatenate(corpora: list[Corpus], out_dir: Path, split: str, src_lang: str, tgt_lang: str) -> None:
+    """Copy the corpora's bytes as they are (cleaning decodes and normalises), one after another."""
+    for lang, side in ((src_lang, "src"), (tgt_lang, "tgt")):
+        with atomic_write(split_path(out_dir, split, lang), "wb") as out:
+            for corpus in corpora:
+                with open(getattr(corpus, side), "rb") as f:
+                    for line in tqdm(f, desc=f"{split} {corpus.name}.{lang}", unit=" lines", mininterval=2,
+                                     total=corpus.expected):
+                        out.write(line if line.endswith(b"\n") else line + b"\n")
+
+
+def _local(p: LocalSource) -> dict[str, list[Corpus]]:
+    root = Path(p.dir)
+    if not root.is_dir():
+        raise PipelineError(f"download.local.dir: {root} is not a directory")
+    as_corpus = lambda f: Corpus(Path(f.src).name.rsplit(".", 1)[0], root / f.src, root / f.tgt)  # noqa: E731
+    train = [as_corpus(f) for f in p.train]
+    names = [c.name for c in train]
+    if len(set(names)) != len(names):
+        train = [Corpus(f"{c.name}#{i}", c.src, c.tgt) for i, c in enumerate(train)]
+    return {"train": train, "dev": [Corpus("dev", root / p.dev.src, root / p.dev.tgt)],
+            "test": [Corpus("test", root / p.test.src, root / p.test.tgt)]}
+
+
+def _wmt14(params: DownloadParams, tmp: Path) -> dict[str, list[Corpus]]:
+    p, tgt = params.wmt14, params.tgt_lang
+    if params.src_lang != "en" or tgt not in wmt14.PAPER_CORPORA:
+        raise PipelineError(f"download: wmt14 has en-de and en-fr, not {params.src_lang}-{tgt}")
+    archives = Path(p.archive_dir)
+    train = []
+    for name in p.corpora:
+        if name not in wmt14.TRAINING_ARCHIVES:
+            raise PipelineError(f"download.wmt14.corpora: unknown corpus {name!r} "
+                                f"(known: {', '.join(wmt14.TRAINING_ARCHIVES)})")
+        members = wmt14.training_members(name, tgt)
+        found = extract(fetch(wmt14.TRAINING_ARCHIVES[name], archives, p.mirrors), tmp / name, set(members))
+        src, ref = (_decompressed(found[m], tmp / name) for m in members)
+        train.append(Corpus(name, src, ref, wmt14.PUBLISHED_PAIRS.get((name, tgt))))
+    members = wmt14.dev_members(tgt)
+    found = extract(fetch(wmt14.DEV_ARCHIVE, archives, p.mirrors), tmp / "dev", set(members))
+    dev = Corpus("newstest2013", found[members[0]], found[members[1]], wmt14.DEV_PAIRS)
+    archive, members = wmt14.test_set(p.test, tgt)
+    found = extract(fetch(archive, archives, p.mirrors), tmp / "test", set(members))
+    test_files = []
+    for member in members:
+        text = tmp / "test" / (member + ".txt")
+        with atomic_write(text) as f:
+            f.writelines(segment + "\n" for segment in wmt14.sgml_segments(found[member]))
+        test_files.append(text)
+    test = Corpus(f"newstest2014-{p.test}", *test_files, wmt14.TEST_PAIRS[(p.test, tgt)])
+    return {"train": train, "dev": [dev], "test": [test]}
+
+
+def _decompressed(path: Path, directory: Path) -> Path:
+    if path.suffix != ".gz":
+        return path
+    out = directory / path.name[:-3]
+    with open_member(path) as f, open(out, "wb") as o:
+        shutil.copyfileobj(f, o, 1 << 20)
+    path.unlink()
+    return out
+

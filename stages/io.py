@@ -132,12 +132,20 @@ SPLITS = ("train", "dev", "test")
 MANIFEST = "manifest.json"
 
 
-def write_manifest(directory: str | Path, src_lang: str, tgt_lang: str, counts: dict[str, int]) -> None:
-    """Each text directory says which languages and how many pairs per split it holds."""
-    write_json(Path(directory) / MANIFEST, {"src_lang": src_lang, "tgt_lang": tgt_lang, "pairs": counts})
+def write_manifest(directory: str | Path, src_lang: str, tgt_lang: str, counts: dict[str, int],
+                   corpora: dict[str, int] | None = None) -> None:
+    """Each text directory says which languages and how many pairs per split it holds, and which
+    training corpora (in order, with their pair counts) make up its training split."""
+    write_json(Path(directory) / MANIFEST, {"src_lang": src_lang, "tgt_lang": tgt_lang, "pairs": counts,
+                                            "train_corpora": corpora or {"train": counts["train"]}})
 
 
 def read_manifest(directory: str | Path) -> tuple[str, str]:
     """(source language, target language) of a text directory written by download or clean."""
     data = read_json(Path(directory) / MANIFEST)
     return data["src_lang"], data["tgt_lang"]
+
+
+def read_train_corpora(directory: str | Path) -> dict[str, int]:
+    """The training corpora of a text directory, in order, with their pair counts."""
+    return read_json(Path(directory) / MANIFEST)["train_corpora"]
