@@ -1,28 +1,50 @@
-"""Stage 2, clean: drop training pairs that teach nothing or teach noise.
+"""Stage 2, clean: normalise every line, and drop training pairs that teach nothing or teach noise.
 
-Training pairs are dropped when a side is empty, when a side has more than `max_tokens` words, or
-when one side has more than `max_ratio` times the words of the other (a sign of misalignment).
-Dev and test pairs pass through untouched apart from line endings: a test set is never filtered.
+Every line: Moses punctuation normalisation and removal of non-printing characters (sacremoses, as
+fairseq's WMT14 recipe runs normalize-punctuation.perl and remove-non-printing-char.perl), Unicode
+normalisation, whitespace trimmed (line endings, CRLF and stray carriage returns included).
+Training pairs are then dropped when a side is empty, longer than `max_tokens` words, more than
+`max_ratio` times the other side's length (a sign of misalignment), or (optionally) an exact
+repeat of an earlier pair. Dev and test sets are normalised but never filtered. The drops are
+counted per corpus and reason. Work is spread over the cores in chunks, output kept in order.
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import unicodedata
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
+from itertools import islice
+from multiprocessing import get_context
 from pathlib import Path
+from typing import Literal
 
+from sacremoses import MosesPunctNormalizer
 from tqdm import tqdm
 
-from stages.io import SPLITS, atomic_write, read_manifest, read_parallel, require_dir, split_path, write_manifest
+from stages.io import SPLITS, PipelineError, atomic_write, count_lines, read_manifest, read_train_corpora, \
+    require_dir, split_path, write_manifest
+
+REASONS = ("invalid_utf8", "empty", "too_long", "length_ratio", "duplicate")
+CHUNK = 20_000  # pairs per task handed to a worker
 
 
 @dataclass(frozen=True)
 class CleanParams:
     max_tokens: int  # words (whitespace-separated) per side
     max_ratio: float  # longest side over shortest side, in words
+    drop_duplicates: bool  # drop exact repeats of an earlier training pair
+    normalize_punctuation: bool  # Moses punctuation normalisation and non-printing character removal
+    unicode_form: Literal["NFC", "NFKC", "none"]
+    invalid_utf8: Literal["error", "drop"]  # stop with file, line and byte, or drop the pair and count it
+    workers: int  # processes; 0: one per core
 
 
 def drop_reason(src: str, tgt: str, params: CleanParams) -> str | None:
-    """Why a training pair is dropped, or None to keep it."""
+    """Why a training pair is dropped by length, or None to keep it."""
     ns, nt = len(src.split()), len(tgt.split())
     if ns == 0 or nt == 0:
         return "empty"
@@ -33,26 +55,128 @@ def drop_reason(src: str, tgt: str, params: CleanParams) -> str | None:
     return None
 
 
-def run(params: CleanParams, *, raw_dir: str | Path, out_dir: str | Path) -> dict[str, int]:
+class Normalizer:
+    """The per-line normalisation for one language."""
+
+    def __init__(self, lang: str, params: CleanParams) -> None:
+        self.moses = MosesPunctNormalizer(lang=lang, post_remove_control_chars=True) \
+            if params.normalize_punctuation else None
+        self.form = None if params.unicode_form == "none" else params.unicode_form
+
+    def __call__(self, line: str) -> str:
+        if self.form:
+            line = unicodedata.normalize(self.form, line)
+        if self.moses:
+            line = self.moses.normalize(line)
+        return " ".join(line.split())
+
+
+# A chunk of raw pairs: (line number, byte offset in source, source bytes, byte offset in target, target bytes)
+RawPair = tuple[int, int, bytes, int, bytes]
+_normalizers: tuple[Normalizer, Normalizer] | None = None
+
+
+def _init_worker(src_lang: str, tgt_lang: str, params: CleanParams) -> None:
+    global _normalizers
+    _normalizers = (Normalizer(src_lang, params), Normalizer(tgt_lang, params))
+
+
+def _process(chunk: list[RawPair], params: CleanParams, filtering: bool) -> list[tuple[str, str, str | None]]:
+    """Normalise (and judge) a chunk: (source, target, drop reason or None) per pair. A pair that is
+    not valid UTF-8 comes back as ('', '', 'invalid_utf8:<side>:<line>:<offset>')."""
+    assert _normalizers is not None
+    out = []
+    for number, src_offset, src_raw, tgt_offset, tgt_raw in chunk:
+        texts = []
+        for side, raw, offset in (("src", src_raw, src_offset), ("tgt", tgt_raw, tgt_offset)):
+            try:
+                texts.append(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                out.append(("", "", f"invalid_utf8:{side}:{number}:{offset + e.start}"))
+                break
+        else:
+            src, tgt = _normalizers[0](texts[0]), _normalizers[1](texts[1])
+            out.append((src, tgt, drop_reason(src, tgt, params) if filtering else None))
+    return out
+
+
+def _raw_pairs(src: Path, tgt: Path) -> Iterator[RawPair]:
+    with open(src, "rb") as fs, open(tgt, "rb") as ft:
+        src_offset = tgt_offset = 0
+        for number, (s, t) in enumerate(zip(fs, ft, strict=True), start=1):
+            yield number, src_offset, s, tgt_offset, t
+            src_offset += len(s)
+            tgt_offset += len(t)
+
+
+def _chunks(pairs: Iterator[RawPair]) -> Iterator[list[RawPair]]:
+    while chunk := list(islice(pairs, CHUNK)):
+        yield chunk
+
+
+def run(params: CleanParams, *, raw_dir: str | Path, out_dir: str | Path) -> dict[str, object]:
     raw_dir = require_dir(raw_dir, "raw text (download stage output)")
     src_lang, tgt_lang = read_manifest(raw_dir)
+    corpora = read_train_corpora(raw_dir)
+    workers = params.workers or os.cpu_count() or 1
+    dropped: dict[str, Counter[str]] = {name: Counter() for name in corpora}
     counts: dict[str, int] = {}
-    dropped: Counter[str] = Counter()
-    for split in SPLITS:
-        kept = 0
-        pairs = read_parallel(split_path(raw_dir, split, src_lang), split_path(raw_dir, split, tgt_lang))
-        with atomic_write(split_path(out_dir, split, src_lang)) as fs, \
-                atomic_write(split_path(out_dir, split, tgt_lang)) as ft:
-            for src, tgt in tqdm(pairs, desc=f"clean {split}", unit=" pairs", mininterval=2):
-                src, tgt = src.strip(), tgt.strip()
-                if split == "train" and (reason := drop_reason(src, tgt, params)):
-                    dropped[reason] += 1
-                    continue
-                fs.write(src + "\n")
-                ft.write(tgt + "\n")
-                kept += 1
-        counts[split] = kept
-    write_manifest(out_dir, src_lang, tgt_lang, counts)
-    metrics = {f"{split}_pairs": n for split, n in counts.items()}
-    metrics.update({f"dropped_{reason}": dropped[reason] for reason in ("empty", "too_long", "length_ratio")})
+    seen: set[bytes] = set()
+    with get_context("spawn").Pool(workers, _init_worker, (src_lang, tgt_lang, params)) as pool:
+        for split in SPLITS:
+            src_path, tgt_path = split_path(raw_dir, split, src_lang), split_path(raw_dir, split, tgt_lang)
+            total = count_lines(src_path)
+            if count_lines(tgt_path) != total:
+                raise PipelineError(f"parallel files differ in length: {src_path} has {total} lines, "
+                                    f"{tgt_path} has {count_lines(tgt_path)}")
+            # which corpus each training line belongs to: corpora are concatenated in manifest order
+            bounds = _corpus_bounds(corpora) if split == "train" else [(total, split)]
+            kept = 0
+            with atomic_write(split_path(out_dir, split, src_lang)) as fs, \
+                    atomic_write(split_path(out_dir, split, tgt_lang)) as ft, \
+                    tqdm(total=total, desc=f"clean {split}", unit=" pairs", mininterval=2) as bar:
+                results = pool.imap(partial(_process, params=params, filtering=split == "train"),
+                                    _chunks(_raw_pairs(src_path, tgt_path)))
+                line = 0
+                for chunk in results:
+                    for src, tgt, reason in chunk:
+                        line += 1
+                        if reason is not None and reason.startswith("invalid_utf8"):
+                            _, side, number, offset = reason.split(":")
+                            if params.invalid_utf8 == "error" or split != "train":  # a test set is never filtered
+                                path = src_path if side == "src" else tgt_path
+                                raise PipelineError(f"{path}:{number}: invalid UTF-8 at byte {offset} of the file"
+                                                    + (" (clean.invalid_utf8: drop drops such training pairs)"
+                                                       if split == "train" else ""))
+                            reason = "invalid_utf8"
+                        if reason is None and split == "train" and params.drop_duplicates:
+                            key = hashlib.blake2b(f"{src}\t{tgt}".encode(), digest_size=12).digest()
+                            reason = "duplicate" if key in seen else None
+                            seen.add(key)
+                        if reason is not None:
+                            dropped[_corpus_of(bounds, line)][reason] += 1
+                            continue
+                        fs.write(src + "\n")
+                        ft.write(tgt + "\n")
+                        kept += 1
+                    bar.update(len(chunk))
+            counts[split] = kept
+    kept_per_corpus = {name: n - sum(dropped[name].values()) for name, n in corpora.items()}
+    write_manifest(out_dir, src_lang, tgt_lang, counts, corpora=kept_per_corpus)
+    metrics: dict[str, object] = {f"{split}_pairs": n for split, n in counts.items()}
+    metrics.update({f"dropped_{r}": sum(d[r] for d in dropped.values()) for r in REASONS})
+    metrics["corpora"] = {name: {"pairs": corpora[name], "kept": kept_per_corpus[name],
+                                 **{f"dropped_{r}": dropped[name][r] for r in REASONS}} for name in corpora}
     return metrics
+
+
+def _corpus_bounds(corpora: dict[str, int]) -> list[tuple[int, str]]:
+    bounds, end = [], 0
+    for name, n in corpora.items():
+        end += n
+        bounds.append((end, name))
+    return bounds
+
+
+def _corpus_of(bounds: list[tuple[int, str]], line: int) -> str:
+    return next(name for end, name in bounds if line <= end)
