@@ -20,7 +20,9 @@ def test_committed_params_are_the_papers_base_recipe():
     assert p.train.label_smoothing == 0.1 and p.train.max_steps == 100_000 and p.train.batch_tokens == 25_000
     assert p.vocab.vocab_size == 37000 and p.vocab.model_type == "bpe"
     assert (p.average.last, p.decode.beam_size, p.decode.length_penalty, p.decode.max_length_extra) == (5, 4, 0.6, 50)
-    assert (p.download.src_lang, p.download.tgt_lang) == ("en", "de")
+    assert (p.download.source, p.download.src_lang, p.download.tgt_lang) == ("wmt14", "en", "de")
+    assert p.download.wmt14.corpora == ("europarl-v7", "commoncrawl", "news-commentary-v9")
+    assert p.download.wmt14.test == "full" and (p.clean.max_ratio, p.clean.max_tokens) == (1.5, 250)
 
 
 def test_params_are_frozen():
@@ -81,9 +83,10 @@ def test_every_preset_applies_cleanly(tmp_path):
         reloaded = load_params(path)
         assert reloaded == p
         for key, value in load_preset(name).items():
-            section, field = key.split(".")
-            got = getattr(getattr(p, section), field)
-            assert config._plain(got) == value or got == value
+            got = p
+            for part in key.split("."):
+                got = getattr(got, part)
+            assert config._plain(got) == value
 
 
 def test_big_preset_is_the_papers_big_model(tmp_path):

@@ -1,4 +1,5 @@
 """Each stage on real text from ../shared/data, in a temporary directory, chained as the DAG chains them."""
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -9,7 +10,7 @@ import sacrebleu
 import torch
 
 from stages import average, clean, decode, download, encode, score, train, vocab
-from stages.io import ParallelFiles, PipelineError, atomic_write, read_lines
+from stages.io import ParallelFiles, PipelineError, atomic_write, read_lines, write_manifest
 from transformer import TransformerConfig
 
 TRAIN_LINES = 3000  # of each shared training sample, to keep the suite fast
@@ -32,15 +33,17 @@ def work(tmp_path_factory, shared):
 
 
 def download_params(shared, work, **changes):
-    p = dict(source="local", src_lang="en", tgt_lang="de", local_dir=str(work / "corpus"),
-             train=(ParallelFiles("europarl-v7.first10k.en", "europarl-v7.first10k.de"),
-                    ParallelFiles("news-commentary.first10k.en", "news-commentary.first10k.de")),
-             dev=ParallelFiles(str(shared / "wmt14/newstest2013/newstest2013.en"),
-                               str(shared / "wmt14/newstest2013/newstest2013.de")),
-             test=ParallelFiles(str(shared / "wmt14/newstest2014-full/newstest2014-deen-src.en.txt"),
-                                str(shared / "wmt14/newstest2014-full/newstest2014-deen-ref.de.txt")))
-    p.update(changes)
-    return download.DownloadParams(**p)
+    local = dict(dir=str(work / "corpus"),
+                 train=(ParallelFiles("europarl-v7.first10k.en", "europarl-v7.first10k.de"),
+                        ParallelFiles("news-commentary.first10k.en", "news-commentary.first10k.de")),
+                 dev=ParallelFiles(str(shared / "wmt14/newstest2013/newstest2013.en"),
+                                   str(shared / "wmt14/newstest2013/newstest2013.de")),
+                 test=ParallelFiles(str(shared / "wmt14/newstest2014-full/newstest2014-deen-src.en.txt"),
+                                    str(shared / "wmt14/newstest2014-full/newstest2014-deen-ref.de.txt")))
+    local.update(changes)
+    wmt = download.Wmt14Source(corpora=("europarl-v7",), test="full", mirrors=(), archive_dir=str(work / "archives"))
+    return download.DownloadParams(source="local", src_lang="en", tgt_lang="de", wmt14=wmt,
+                                   local=download.LocalSource(**local))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,10 @@ def raw(shared, work):
 
 def test_download_gathers_the_splits(raw):
     raw_dir, metrics = raw
-    assert metrics == {"train_pairs": 2 * TRAIN_LINES, "dev_pairs": 3000, "test_pairs": 3003}
+    assert {k: v for k, v in metrics.items() if k.endswith("_pairs")} == \
+        {"train_pairs": 2 * TRAIN_LINES, "dev_pairs": 3000, "test_pairs": 3003}
+    assert metrics["train_corpora"] == {"europarl-v7.first10k": {"pairs": TRAIN_LINES, "published": None},
+                                        "news-commentary.first10k": {"pairs": TRAIN_LINES, "published": None}}
     assert sum(1 for _ in read_lines(raw_dir / "test.de")) == 3003
     assert json.loads((raw_dir / "manifest.json").read_text())["src_lang"] == "en"
 
@@ -66,33 +72,63 @@ def test_download_refuses_mismatched_files_before_writing(shared, work, tmp_path
 
 
 def test_download_errors_name_what_is_missing(shared, work, tmp_path):
-    with pytest.raises(PipelineError, match="download.local_dir: .*nowhere is not a directory"):
-        download.run(download_params(shared, work, local_dir=str(tmp_path / "nowhere")), out_dir=tmp_path / "o")
+    with pytest.raises(PipelineError, match="download.local.dir: .*nowhere is not a directory"):
+        download.run(download_params(shared, work, dir=str(tmp_path / "nowhere")), out_dir=tmp_path / "o")
     with pytest.raises(PipelineError, match="absent.en: file not found"):
         download.run(download_params(shared, work, train=(ParallelFiles("absent.en", "absent.de"),)),
                      out_dir=tmp_path / "o")
 
 
+CLEAN = clean.CleanParams(max_tokens=80, max_ratio=1.5, drop_duplicates=True, normalize_punctuation=True,
+                          unicode_form="NFC", invalid_utf8="error", workers=2)
+
+
 @pytest.fixture(scope="module")
 def cleaned(raw, work):
-    metrics = clean.run(clean.CleanParams(max_tokens=80, max_ratio=1.5), raw_dir=raw[0], out_dir=work / "clean")
+    metrics = clean.run(CLEAN, raw_dir=raw[0], out_dir=work / "clean")
     return work / "clean", metrics
 
 
-def test_clean_drops_noise_by_reason_and_never_touches_test_sets(cleaned):
+def test_clean_reports_drops_by_reason_per_corpus_and_never_filters_test_sets(cleaned):
     clean_dir, m = cleaned
-    assert m["dropped_empty"] > 0 and m["dropped_length_ratio"] > 0 and m["dropped_too_long"] > 0
-    assert m["train_pairs"] + m["dropped_empty"] + m["dropped_length_ratio"] + m["dropped_too_long"] == 2 * TRAIN_LINES
+    for corpus in ("europarl-v7.first10k", "news-commentary.first10k"):
+        c = m["corpora"][corpus]
+        assert c["pairs"] == TRAIN_LINES and c["dropped_empty"] > 0 and c["dropped_length_ratio"] > 0
+        assert c["kept"] + sum(v for k, v in c.items() if k.startswith("dropped_")) == TRAIN_LINES
+    assert m["dropped_too_long"] > 0 and m["dropped_duplicate"] > 0
+    assert m["train_pairs"] == sum(c["kept"] for c in m["corpora"].values())
     assert (m["dev_pairs"], m["test_pairs"]) == (3000, 3003)
     assert not any("\r" in line or not line.strip() for line in read_lines(clean_dir / "train.en"))
 
 
-def test_clean_reasons():
-    p = clean.CleanParams(max_tokens=5, max_ratio=1.5)
-    assert clean.drop_reason("  ", "Hallo", p) == "empty"
-    assert clean.drop_reason("a b c d e f", "a b c d e f", p) == "too_long"
-    assert clean.drop_reason("a b c", "a", p) == "length_ratio"
-    assert clean.drop_reason("a b", "a b c", p) is None
+def test_clean_normalises_like_moses(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "train.en").write_text("\u201cQuoted\u201d  text\u00a0here\r\nfine\n", encoding="utf-8")
+    (raw / "train.de").write_text("\u201eZitat\u201c\u200b Text\r\ngut\n", encoding="utf-8")
+    for split in ("dev", "test"):
+        for lang in ("en", "de"):
+            (raw / f"{split}.{lang}").write_text("x\n")
+    write_manifest(raw, "en", "de", {"train": 2, "dev": 1, "test": 1})
+    clean.run(CLEAN, raw_dir=raw, out_dir=tmp_path / "out")
+    assert (tmp_path / "out/train.en").read_text(encoding="utf-8") == '"Quoted" text here\nfine\n'
+    assert (tmp_path / "out/train.de").read_text(encoding="utf-8") == '"Zitat" Text\ngut\n'
+
+
+def test_clean_invalid_utf8_names_file_line_and_byte_or_is_dropped(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "train.en").write_bytes(b"good one\nbro\xffken\nlast one\n")
+    (raw / "train.de").write_bytes(b"gut eins\nkaputt\nletzte eins\n")
+    for split in ("dev", "test"):
+        for lang in ("en", "de"):
+            (raw / f"{split}.{lang}").write_text("x\n")
+    write_manifest(raw, "en", "de", {"train": 3, "dev": 1, "test": 1})
+    with pytest.raises(PipelineError, match=r"train.en:2: invalid UTF-8 at byte 12 of the file"):
+        clean.run(CLEAN, raw_dir=raw, out_dir=tmp_path / "out")
+    assert not (tmp_path / "out/train.en").exists()
+    m = clean.run(dataclasses.replace(CLEAN, invalid_utf8="drop"), raw_dir=raw, out_dir=tmp_path / "out")
+    assert m["dropped_invalid_utf8"] == 1 and m["train_pairs"] == 2
 
 
 @pytest.fixture(scope="module")
