@@ -83,7 +83,7 @@ def test_mlflow_holds_a_parent_run_with_a_nested_run_per_stage(flow_output, repo
     assert sorted(r.info.run_name for r in children) == sorted(STAGES)
     assert all(r.info.status == "FINISHED" for r in children)
     by_stage = {r.info.run_name: r for r in children}
-    assert "data.raw_dir" in by_stage["clean"].data.tags and "data.inputs" in by_stage["download"].data.tags
+    assert "data.raw_dir" in by_stage["clean"].data.tags and "data.source" in by_stage["download"].data.tags
     assert by_stage["train"].data.params["model.d_model"] == "128"
     assert "loss" in by_stage["train"].data.metrics and "test_bleu" in by_stage["score"].data.metrics
 
