@@ -1,11 +1,13 @@
 """Padding and batch fill of the token-budget sampler against random batching, on the same real data.
 
-    python bench/batching.py [--budget 3125] [--vocab 8000]
+    python bench/batching.py [--budgets 3125 2000 1000] [--vocab 8000]
 
-Encodes the shared WMT14 Europarl sample with a sentencepiece BPE model learned on the spot, then
+Encodes the shared WMT14 training samples (Europarl and News Commentary, 40k pairs) with a sentencepiece BPE model learned on the spot, then
 builds batches both ways under the same budget (padded tokens per side per batch) and prints, for
-each, the padding fraction of source and target and the batch fill (real tokens over the budget).
-The default budget is the paper's 25k tokens per step split over its 8 GPUs.
+each, the padding fraction of source and target and the batch fill (real tokens of the side that
+binds the budget, over the budget).
+The default budgets: the paper's 25k tokens per step split over its 8 GPUs (3125), and two smaller
+ones, closer to the paper's batch-to-corpus ratio on this much smaller corpus.
 """
 from __future__ import annotations
 
@@ -40,33 +42,39 @@ def measure(batches: list[np.ndarray], src: np.ndarray, tgt: np.ndarray, budget:
     real_tgt = sum(int(tgt[b].sum() + len(b)) for b in batches)
     padded_src = sum(len(b) * int(src[b].max() + 1) for b in batches)
     padded_tgt = sum(len(b) * int(tgt[b].max() + 1) for b in batches)
+    binding = sum(max(int(src[b].sum()), int(tgt[b].sum())) + len(b) for b in batches)  # the side the budget binds
     return {"batches": len(batches), "src_padding": 1 - real_src / padded_src, "tgt_padding": 1 - real_tgt / padded_tgt,
-            "fill": max(real_src, real_tgt) / (len(batches) * budget)}
+            "fill": binding / (len(batches) * budget)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", type=int, default=25000 // 8)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[25000 // 8, 2000, 1000])
     parser.add_argument("--vocab", type=int, default=8000)
     args = parser.parse_args()
-    sample = SHARED / "wmt14/train-sample/hf-europarl-20k"
+    sample = SHARED / "wmt14/train-sample"
+    stems = ["hf-europarl-20k/train", "uedin-toy/europarl-v7.first10k", "uedin-toy/news-commentary.first10k"]
+    lines = {lang: [line.strip() for stem in stems for line in open(sample / f"{stem}.{lang}", encoding="utf-8")]
+             for lang in ("en", "de")}
+    keep_pairs = [i for i, (s, t) in enumerate(zip(lines["en"], lines["de"])) if s and t]  # as cleaning would
     with tempfile.TemporaryDirectory() as tmp:
-        spm.SentencePieceTrainer.train(input=[str(sample / "train.en"), str(sample / "train.de")],
+        for lang in ("en", "de"):
+            Path(tmp, f"text.{lang}").write_text("\n".join(lines[lang][i] for i in keep_pairs), encoding="utf-8")
+        spm.SentencePieceTrainer.train(input=[f"{tmp}/text.en", f"{tmp}/text.de"],
                                        model_prefix=f"{tmp}/spm", vocab_size=args.vocab, model_type="bpe",
                                        minloglevel=2, num_threads=os.cpu_count())
         sp = spm.SentencePieceProcessor(model_file=f"{tmp}/spm.model")
-    src, tgt = (np.array([len(x) for x in sp.encode(open(sample / f"train.{lang}", encoding="utf-8").read()
-                                                     .splitlines())]) for lang in ("en", "de"))
-    keep = np.maximum(src, tgt) < args.budget
-    src, tgt = src[keep], tgt[keep]
-    ours = measure(token_batches(src, tgt, args.budget, seed=1)[0], src, tgt, args.budget)
-    peer = measure(random_batches(src, tgt, args.budget, seed=1), src, tgt, args.budget)
-    print(f"{len(src)} pairs of the WMT14 Europarl sample, budget {args.budget} tokens per side per batch")
-    print(f"{'':22}{'batches':>9}{'src padding':>13}{'tgt padding':>13}{'fill':>8}")
-    for name, m in (("token-bucketed (ours)", ours), ("random", peer)):
-        print(f"{name:22}{m['batches']:>9}{m['src_padding']:>13.1%}{m['tgt_padding']:>13.1%}{m['fill']:>8.1%}")
-    print(f"ratio ours/random: batches {ours['batches'] / peer['batches']:.2f}x, fill {ours['fill'] / peer['fill']:.2f}x")
-
+    src, tgt = (np.array([len(x) for x in sp.encode([lines[lang][i] for i in keep_pairs])]) for lang in ("en", "de"))
+    for budget in args.budgets:
+        keep = np.maximum(src, tgt) < budget
+        s, t = src[keep], tgt[keep]
+        ours = measure(token_batches(s, t, budget, seed=1)[0], s, t, budget)
+        peer = measure(random_batches(s, t, budget, seed=1), s, t, budget)
+        print(f"\n{len(s)} pairs of the WMT14 training samples, budget {budget} tokens per side per batch")
+        print(f"{'':22}{'batches':>9}{'src padding':>13}{'tgt padding':>13}{'fill':>8}")
+        for name, m in (("token-bucketed (ours)", ours), ("random", peer)):
+            print(f"{name:22}{m['batches']:>9}{m['src_padding']:>13.1%}{m['tgt_padding']:>13.1%}{m['fill']:>8.1%}")
+        print(f"ratio ours/random: batches {ours['batches'] / peer['batches']:.2f}x, fill {ours['fill'] / peer['fill']:.2f}x")
 
 if __name__ == "__main__":
     main()
