@@ -162,6 +162,11 @@ def run(params: CleanParams, *, raw_dir: str | Path, out_dir: str | Path) -> dic
                     bar.update(len(chunk))
             counts[split] = kept
     kept_per_corpus = {name: n - sum(dropped[name].values()) for name, n in corpora.items()}
+    if counts["train"] == 0:
+        reasons = Counter(sum(dropped.values(), Counter()))
+        raise PipelineError(f"clean: no training pair is left of {sum(corpora.values())} "
+                            f"({', '.join(f'{n} {r}' for r, n in reasons.items()) or 'the corpus is empty'}); "
+                            f"check the corpus or clean.max_tokens and clean.max_ratio")
     write_manifest(out_dir, src_lang, tgt_lang, counts, corpora=kept_per_corpus)
     metrics: dict[str, object] = {f"{split}_pairs": n for split, n in counts.items()}
     metrics.update({f"dropped_{r}": sum(d[r] for d in dropped.values()) for r in REASONS})

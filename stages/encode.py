@@ -26,8 +26,9 @@ def _chunks(lines: Iterator[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-def encode_file(sp, text_path: Path, out_prefix: Path) -> tuple[np.ndarray, int]:
-    """Encode one text file; return its sentence lengths in tokens and its count of unknown tokens."""
+def encode_file(sp, text_path: Path, out_prefix: Path, threads: int | None = None) -> tuple[np.ndarray, int]:
+    """Encode one text file (on `threads` cores, all by default); return its sentence lengths in
+    tokens and its count of unknown tokens."""
     dtype = np.uint16 if sp.get_piece_size() <= np.iinfo(np.uint16).max + 1 else np.int32
     lengths: list[int] = []
     unknown = 0
@@ -35,7 +36,7 @@ def encode_file(sp, text_path: Path, out_prefix: Path) -> tuple[np.ndarray, int]
     with open(tmp_ids, "wb") as f:
         bar = tqdm(total=count_lines(text_path), desc=f"encode {text_path.name}", unit=" lines", mininterval=2)
         for chunk in _chunks(read_lines(text_path)):
-            encoded = sp.encode(chunk, num_threads=os.cpu_count() or 1)
+            encoded = sp.encode(chunk, num_threads=threads or os.cpu_count() or 1)
             lengths.extend(len(ids) for ids in encoded)
             flat = np.fromiter((i for ids in encoded for i in ids), dtype=dtype)
             unknown += int(np.count_nonzero(flat == vocab.UNK_ID))

@@ -144,6 +144,9 @@ class Trainer:
         micro = [collate(self.corpus, next(self.sampler)) for _ in range(p.grad_accum)]
         local_tokens = sum(int(t.ne(vocab.PAD_ID).sum()) for _, _, t in micro)
         local_src_tokens = sum(int(s.ne(vocab.PAD_ID).sum()) for s, _, _ in micro)
+        # what batching costs: padded slots per side, and the real tokens of the side that binds the budget
+        padded = {"src_slots": sum(s.numel() for s, _, _ in micro), "tgt_slots": sum(t.numel() for _, _, t in micro),
+                  "binding": sum(max(int(s.ne(vocab.PAD_ID).sum()), int(t.ne(vocab.PAD_ID).sum())) for s, _, t in micro)}
         global_tokens = float(acc.reduce(torch.tensor(local_tokens, device=acc.device), "sum"))
         loss_sum = nll_sum = 0.0
         for i, (src, tgt_in, tgt_out) in enumerate(micro):
@@ -167,7 +170,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {"loss_sum": loss_sum, "nll_sum": nll_sum, "tokens": local_tokens, "src_tokens": local_src_tokens,
-                "grad_norm": float(grad_norm), "lr": lr}
+                "grad_norm": float(grad_norm), "lr": lr, **padded}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -282,26 +285,29 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: st
 
     bar = tqdm(total=params.max_steps, initial=trainer.step, desc="train", unit=" steps", disable=not main,
                mininterval=2)
-    window = {"loss_sum": 0.0, "nll_sum": 0.0, "tokens": 0.0, "src_tokens": 0.0, "time": 0.0, "steps": 0.0}
+    summed = ("loss_sum", "nll_sum", "tokens", "src_tokens", "src_slots", "tgt_slots", "binding")
+    window = dict.fromkeys((*summed, "time", "steps"), 0.0)
     last_save = time.monotonic()
     while trainer.step < params.max_steps:
         t0 = time.perf_counter()
         out = trainer.train_step()
         window["time"] += time.perf_counter() - t0
         window["steps"] += 1
-        for k in ("loss_sum", "nll_sum", "tokens", "src_tokens"):
+        for k in summed:
             window[k] += out[k]
         bar.update(1)
         step = trainer.step
         if step % params.log_every == 0 or step == params.max_steps:
-            sums = acc.reduce(torch.tensor([window["loss_sum"], window["nll_sum"], window["tokens"],
-                                            window["src_tokens"]], device=acc.device, dtype=torch.float64), "sum")
-            loss_sum, nll_sum, tokens, src_tokens = sums.tolist()
+            sums = acc.reduce(torch.tensor([window[k] for k in summed], device=acc.device, dtype=torch.float64), "sum")
+            loss_sum, nll_sum, tokens, src_tokens, src_slots, tgt_slots, binding = sums.tolist()
+            micro_batches = window["steps"] * params.grad_accum * acc.num_processes
             row = {"step": step, "loss": loss_sum / tokens, "nll": nll_sum / tokens,
                    "ppl": math.exp(min(nll_sum / tokens, 50.0)), "lr": out["lr"], "grad_norm": out["grad_norm"],
                    "tgt_tokens_per_step": tokens / window["steps"],
                    "tgt_tokens_per_sec": tokens / max(window["time"], 1e-9),
-                   "src_tokens_per_sec": src_tokens / max(window["time"], 1e-9)}
+                   "src_tokens_per_sec": src_tokens / max(window["time"], 1e-9),
+                   "src_padding": 1 - src_tokens / src_slots, "tgt_padding": 1 - tokens / tgt_slots,
+                   "batch_fill": binding / (micro_batches * trainer.micro_tokens)}
             trainer.history.append(row)
             log({k: v for k, v in row.items() if k != "step"}, step)
             bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tgt_tokens_per_sec']:.0f}")

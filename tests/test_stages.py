@@ -198,6 +198,10 @@ def test_train_writes_checkpoints_curves_and_finite_metrics(trained, work):
     assert m["steps"] == 6 and math.isfinite(m["loss"]) and math.isfinite(m["valid_loss"])
     rows = (work / "plots/train.csv").read_text().splitlines()
     assert rows[0].startswith("step,loss,nll") and len(rows) == 4  # header + steps 2, 4, 6
+    header = rows[0].split(",")
+    for row in rows[1:]:
+        values = dict(zip(header, map(float, row.split(","))))
+        assert 0 <= values["src_padding"] < 0.5 and 0 <= values["tgt_padding"] < 0.5 and 0.5 < values["batch_fill"] <= 1
 
 
 def test_resume_equals_uninterrupted(encoded, vocab_dir, tmp_path):
