@@ -66,7 +66,7 @@ def run_stage(name: str, paths: dict[str, Path], metrics_path: Path | None,
     with tracking.stage_run(name, experiment, flat, hashed) as tracker:
         metrics = spec.call(params, paths, tracker)
         tracker.log_metrics(metrics)
-        if metrics_path is not None:
+        if metrics_path is not None and tracking.is_main_process():
             write_json(metrics_path, metrics)
             tracker.log_artifact(metrics_path)
         for out in spec.artifacts:

@@ -96,7 +96,14 @@ class Tracker:
             self.client.log_artifact(self.run_id, str(path), subdir)
 
 
+def is_main_process() -> bool:
+    """Under torchrun or accelerate launch only rank 0 tracks and writes; RANK is how they say it."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _client_and_experiment(experiment: str) -> tuple[Any, str] | None:
+    if not is_main_process():
+        return None
     try:
         from mlflow.tracking import MlflowClient
     except ImportError:

@@ -329,3 +329,28 @@ def test_invalid_utf8_names_file_line_and_byte(tmp_path):
     path.write_bytes(b"fine\nalso fine\nbro\xffken\n")
     with pytest.raises(PipelineError, match=r"bad.en:3: invalid UTF-8 at byte 18"):
         list(read_lines(path))
+
+
+def test_two_processes_train_together_and_a_resume_on_one_is_refused(encoded, vocab_dir, tmp_path):
+    """torchrun with two CPU processes (gloo): one set of checkpoints, one metrics file."""
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.config import PARAMS_FILE, apply_overrides, load_preset
+
+    params = tmp_path / "params.yaml"
+    params.write_text(PARAMS_FILE.read_text())
+    apply_overrides({**load_preset("quickstart"), "train.max_steps": 4, "train.checkpoint_every_steps": 2,
+                     "train.validate_every": 2, "train.batch_tokens": 1500}, params)
+    command = ["-m", "pipeline", "train", "--params", str(params), "--encoded-dir", str(encoded[0]),
+               "--vocab-dir", str(vocab_dir), "--checkpoint-dir", str(tmp_path / "ckpt"),
+               "--plots-dir", str(tmp_path / "plots"), "--metrics", str(tmp_path / "train.json")]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *command],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert [s for s, _ in train.checkpoints(tmp_path / "ckpt")] == [2, 4]
+    assert json.loads((tmp_path / "train.json").read_text())["steps"] == 4
+    one = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 1 and "world_size changed" in one.stderr
