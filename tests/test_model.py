@@ -155,3 +155,13 @@ def test_paper_shapes_and_parameter_counts():
     # The paper's Table 3: 65M and 213M. A shared 37k vocabulary gives 63.1M and 214.2M here.
     assert count(base) == pytest.approx(65e6, rel=0.035)
     assert count(big) == pytest.approx(213e6, rel=0.01)
+
+
+def test_search_does_not_stop_before_a_better_hypothesis_can_finish():
+    # Two weak hypotheses end first ([] at step 1, [5] at step 2); the best, [4, 6], ends at step 3.
+    decoder = ScriptedDecoder({BOS: {4: 0.5, EOS: 0.3, 5: 0.2}, 4: {6: 0.99, EOS: 0.01}, 5: {EOS: 1.0},
+                               6: {EOS: 0.9, 4: 0.1}}, vocab=8)
+    for alpha in (0.0, 0.6):
+        best = beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, alpha)[0][0]
+        assert best.tokens == [4, 6]
+        assert best.log_prob == pytest.approx(math.log(0.5 * 0.99 * 0.9))

@@ -45,9 +45,11 @@ def beam_search(
     """Search every sentence of the batch at once; return each one's finished hypotheses, best first.
 
     max_lengths (B,): the most tokens (EOS included) sentence b may produce, e.g. source length + 50;
-    at that length only EOS is allowed. A sentence stops once `beam_size` hypotheses have ended,
-    each chosen among the best `beam_size` candidates of its step. Scores rank live hypotheses by
-    their summed log-probability and finished ones by that sum over the length penalty.
+    at that length only EOS is allowed. A hypothesis ends when EOS is among the best `beam_size`
+    candidates of its step. Scores rank live hypotheses by their summed log-probability and finished
+    ones by that sum over the length penalty. A sentence stops once its `beam_size` best finished
+    hypotheses cannot be beaten by any live one (see `_settled`), so the search returns what an
+    unbounded one would among the hypotheses it kept.
     """
     B, K = batch_size, beam_size
     device = max_lengths.device
@@ -81,16 +83,29 @@ def beam_search(
                     log_prob = scores_cpu[b][j]
                     score = log_prob / gnmt_length_penalty(t + 1, alpha)
                     finished[b].append(Hypothesis(prefixes[b * K + beams_cpu[b][j]], score, log_prob))
-            if len(finished[b]) >= K or t + 1 >= limits[b]:
-                done[b] = True
-        if all(done):
-            break
 
         # The best K candidates that did not end live on; ended ones sort last.
         rank = torch.arange(2 * K, device=device).expand(B, -1) + ended.long() * 2 * K
         keep = rank.topk(K, dim=1, largest=False).indices
         scores = top_scores.gather(1, keep)
+        best_alive = scores[:, 0].tolist()
+        for b in range(B):
+            if not done[b]:
+                done[b] = t + 1 >= limits[b] or _settled(finished[b], K, best_alive[b], limits[b], alpha)
+        if all(done):
+            break
         order = (torch.arange(B, device=device)[:, None] * K + top_beam.gather(1, keep)).view(-1)
         tokens = torch.cat([tokens.index_select(0, order), top_token.gather(1, keep).view(-1, 1)], dim=1)
         decoder.reorder(order)
     return [sorted(f, key=lambda h: h.score, reverse=True) for f in finished]
+
+
+def _settled(finished: list[Hypothesis], k: int, best_alive_log_prob: float, max_length: int, alpha: float) -> bool:
+    """True when the k-th best finished score is at least the best score any live hypothesis can
+    still reach: log-probabilities only fall as it grows, so that is its log-probability now over
+    the largest length penalty it could be given (at the maximum length)."""
+    if len(finished) < k:
+        return False
+    kth = sorted((h.score for h in finished), reverse=True)[k - 1]
+    bound = best_alive_log_prob / gnmt_length_penalty(max_length if alpha > 0 else 1, alpha)
+    return kth >= bound
