@@ -354,3 +354,63 @@ def test_two_processes_train_together_and_a_resume_on_one_is_refused(encoded, vo
     assert json.loads((tmp_path / "train.json").read_text())["steps"] == 4
     one = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 1 and "world_size changed" in one.stderr
+
+
+def _trainer(encoded_dir, vocab_dir, **changes):
+    from accelerate import Accelerator
+
+    config = TransformerConfig(**{**TINY.__dict__, "dropout": 0.0})
+    return train.Trainer(config, train_params(**changes), encoded_dir=encoded_dir, vocab_dir=vocab_dir,
+                         accelerator=Accelerator(cpu=True))
+
+
+def _gradients_of_one_step(trainer, batches):
+    trainer.sampler = iter(batches)
+    captured = []
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda: (captured.extend(p.grad.clone() for p in trainer.model.parameters()), step())
+    trainer.train_step()
+    return captured
+
+
+def test_gradient_accumulation_equals_one_batch_of_the_union(encoded, vocab_dir):
+    parts = [np.arange(i * 5, i * 5 + 5) for i in range(4)]
+    accumulated = _gradients_of_one_step(_trainer(encoded[0], vocab_dir, grad_accum=4), parts)
+    whole = _gradients_of_one_step(_trainer(encoded[0], vocab_dir, grad_accum=1), [np.concatenate(parts)])
+    for a, b in zip(accumulated, whole, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_non_finite_loss_stops_before_the_update(encoded, vocab_dir, monkeypatch):
+    trainer = _trainer(encoded[0], vocab_dir)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    monkeypatch.setattr(train, "label_smoothed_nll_loss",
+                        lambda *a, **k: (torch.tensor(float("nan"), requires_grad=True), torch.tensor(0.0)))
+    with pytest.raises(PipelineError, match=r"non-finite loss \(nan\) at step 1 on process 0; stopped before"):
+        trainer.train_step()
+    for p, b in zip(trainer.model.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+
+
+def test_a_small_model_memorises_a_copy_task():
+    from transformer import IncrementalDecoder, Transformer, beam_search, inverse_sqrt_rate, label_smoothed_nll_loss
+
+    torch.manual_seed(0)
+    config = TransformerConfig(d_model=64, n_heads=4, d_ff=128, encoder_layers=2, decoder_layers=2, dropout=0.0,
+                               attention_dropout=0.0, norm="post", positions="sinusoidal", max_positions=32)
+    model = Transformer(config, vocab_size=16, pad_id=0)
+    sources = torch.randint(4, 16, (24, 6))
+    src = torch.cat([sources, torch.full((24, 1), 3)], dim=1)  # + EOS
+    tgt_in = torch.cat([torch.full((24, 1), 2), sources], dim=1)  # BOS +
+    optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 0.2 * inverse_sqrt_rate(done + 1, 64, 50))
+    for _ in range(300):
+        loss, _ = label_smoothed_nll_loss(model(src, tgt_in), src, 0.0, 0)
+        optimizer.zero_grad()
+        (loss / src.numel()).backward()
+        optimizer.step()
+        schedule.step()
+    model.eval()
+    with torch.no_grad():
+        hyps = beam_search(IncrementalDecoder(model, src, 2), 24, 2, torch.full((24,), 10), 2, 3, 0.6)
+    assert [h[0].tokens for h in hyps] == sources.tolist()
