@@ -54,9 +54,10 @@ class _Source:
         self.name = name
         self.lines: dict[str, int] = {}
         try:
-            self._index(yaml.compose(text, Loader=yaml.SafeLoader), "")
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
         except yaml.YAMLError:
-            pass  # safe_load reports it with its own position
+            root = None  # a syntax error: parse_params reports it with its own line
+        self._index(root, "")
 
     def _index(self, node: yaml.Node | None, prefix: str) -> None:
         if isinstance(node, yaml.MappingNode):

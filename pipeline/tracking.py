@@ -29,6 +29,14 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{DEFAULT_DB}"
 
 
+def artifact_location(uri: str) -> str | None:
+    """Artifacts of a SQLite store go beside its file (mlartifacts/), not into ./mlruns of whatever
+    directory a stage runs in; other stores keep their own default."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri.removeprefix("sqlite:///")).parent / ARTIFACTS.name).as_uri()
+    return None
+
+
 def experiment_name(src_lang: str, tgt_lang: str) -> str:
     return f"transformer-{src_lang}-{tgt_lang}"
 
@@ -113,8 +121,7 @@ def _client_and_experiment(experiment: str) -> tuple[Any, str] | None:
     found = client.get_experiment_by_name(experiment)
     if found is not None:
         return client, found.experiment_id
-    artifact_location = ARTIFACTS.as_uri() if "MLFLOW_TRACKING_URI" not in os.environ else None
-    return client, client.create_experiment(experiment, artifact_location=artifact_location)
+    return client, client.create_experiment(experiment, artifact_location=artifact_location(tracking_uri()))
 
 
 @contextlib.contextmanager
