@@ -86,6 +86,9 @@ def test_mlflow_holds_a_parent_run_with_a_nested_run_per_stage(flow_output, repo
     assert "data.raw_dir" in by_stage["clean"].data.tags and "data.source" in by_stage["download"].data.tags
     assert by_stage["train"].data.params["model.d_model"] == "128"
     assert "loss" in by_stage["train"].data.metrics and "test_bleu" in by_stage["score"].data.metrics
+    artifacts = [a.path for a in client.list_artifacts(by_stage["vocab"].info.run_id, "vocab")]
+    assert "vocab/spm.model" in artifacts  # the vocabulary, logged beside the store in the tree
+    assert (repo / "mlartifacts").is_dir() and not (repo / "mlruns").exists()
 
 
 @pytest.mark.slow
