@@ -25,7 +25,7 @@ from typing import Literal
 from sacremoses import MosesPunctNormalizer
 from tqdm import tqdm
 
-from stages.io import SPLITS, PipelineError, atomic_write, count_lines, read_manifest, read_train_corpora, \
+from stages.io import SPLITS, PipelineError, atomic_write, count_pairs, read_manifest, read_train_corpora, \
     require_dir, split_path, write_manifest
 
 REASONS = ("invalid_utf8", "empty", "too_long", "length_ratio", "duplicate")
@@ -125,10 +125,7 @@ def run(params: CleanParams, *, raw_dir: str | Path, out_dir: str | Path) -> dic
     with get_context("spawn").Pool(workers, _init_worker, (src_lang, tgt_lang, params)) as pool:
         for split in SPLITS:
             src_path, tgt_path = split_path(raw_dir, split, src_lang), split_path(raw_dir, split, tgt_lang)
-            total = count_lines(src_path)
-            if count_lines(tgt_path) != total:
-                raise PipelineError(f"parallel files differ in length: {src_path} has {total} lines, "
-                                    f"{tgt_path} has {count_lines(tgt_path)}")
+            total = count_pairs(src_path, tgt_path)
             # which corpus each training line belongs to: corpora are concatenated in manifest order
             bounds = _corpus_bounds(corpora) if split == "train" else [(total, split)]
             kept = 0

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from stages import wmt14
 from stages.fetch import extract, fetch, open_member
-from stages.io import ParallelFiles, PipelineError, atomic_write, count_lines, file_digest, split_path, \
+from stages.io import ParallelFiles, PipelineError, atomic_write, count_pairs, file_digest, split_path, \
     write_manifest
 
 
@@ -68,7 +68,7 @@ def run(params: DownloadParams, *, out_dir: str | Path) -> dict[str, object]:
         else:
             splits = _local(params.local)
         # Check every pair of files before writing anything, so a bad one costs no partial output.
-        counts = {c.name: _checked_pairs(c) for corpora in splits.values() for c in corpora}
+        counts = {c.name: count_pairs(c.src, c.tgt) for corpora in splits.values() for c in corpora}
         for split, (corpus,) in ((s, c) for s, c in splits.items() if s != "train"):
             if corpus.expected is not None and counts[corpus.name] != corpus.expected:
                 raise PipelineError(f"{corpus.src}: {counts[corpus.name]} {split} pairs, expected {corpus.expected}")
@@ -102,18 +102,6 @@ def source_digest(params: DownloadParams) -> str:
         for archive in (*archives, wmt14.DEV_ARCHIVE, wmt14.test_set(params.wmt14.test, params.tgt_lang)[0]):
             h.update(archive.digest.encode())
     return h.hexdigest()
-
-
-def _checked_pairs(corpus: Corpus) -> int:
-    """Number of pairs, after checking both files have as many lines."""
-    for path in (corpus.src, corpus.tgt):
-        if not path.is_file():
-            raise PipelineError(f"{path}: file not found")
-    n_src, n_tgt = count_lines(corpus.src), count_lines(corpus.tgt)
-    if n_src != n_tgt:
-        raise PipelineError(f"parallel files differ in length: {corpus.src} has {n_src} lines, "
-                            f"{corpus.tgt} has {n_tgt}")
-    return n_src
 
 
 def _concatenate(corpora: list[Corpus], out_dir: Path, split: str, src_lang: str, tgt_lang: str) -> None:

@@ -95,18 +95,15 @@ class ParallelFiles:
     tgt: str
 
 
-def read_parallel(src: str | Path, tgt: str | Path) -> Iterator[tuple[str, str]]:
-    """Pairs of lines; files of different lengths are refused before anything is read."""
-    n_src, n_tgt = _checked_count(src), _checked_count(tgt)
+def count_pairs(src: str | Path, tgt: str | Path) -> int:
+    """Pairs in a parallel corpus; missing files or files of different lengths are refused by name."""
+    for path in (src, tgt):
+        if not Path(path).is_file():
+            raise PipelineError(f"{path}: file not found")
+    n_src, n_tgt = count_lines(src), count_lines(tgt)
     if n_src != n_tgt:
         raise PipelineError(f"parallel files differ in length: {src} has {n_src} lines, {tgt} has {n_tgt}")
-    yield from zip(read_lines(src), read_lines(tgt), strict=True)
-
-
-def _checked_count(path: str | Path) -> int:
-    if not Path(path).is_file():
-        raise PipelineError(f"{path}: file not found")
-    return count_lines(path)
+    return n_src
 
 
 def split_path(directory: str | Path, split: str, lang: str) -> Path:
