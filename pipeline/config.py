@@ -126,7 +126,11 @@ def _build(cls: type, data: dict[str, Any], prefix: str, src: _Source) -> Any:
     if missing:
         where = prefix.rstrip(".") or "the top level"
         raise src.error(f"{prefix}{missing[0]}", f"missing key in {where}")
-    return cls(**{n: _convert(hints[n], data[n], prefix + n, src) for n in names})
+    values = {n: _convert(hints[n], data[n], prefix + n, src) for n in names}
+    try:
+        return cls(**values)
+    except ValueError as e:  # a check across keys, in the class's own __post_init__
+        raise src.error(prefix.rstrip(".") or names[0], str(e)) from None
 
 
 def parse_params(text: str, name: str) -> Params:

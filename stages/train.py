@@ -30,6 +30,7 @@ from stages.batching import BatchSampler, collate, token_batches
 from stages.encode import ParallelIds
 from stages.io import PipelineError, atomic_write, require_dir
 from transformer import Transformer, TransformerConfig, inverse_sqrt_rate, label_smoothed_nll_loss
+from transformer.model import training_flops
 
 CHECKPOINT_FORMAT = "transformer-pipeline/checkpoint/1"
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
@@ -90,6 +91,19 @@ def _digest(*paths: Path) -> str:
     return h.hexdigest()
 
 
+# Dense bf16/fp16 tensor-core peaks (vendor datasheets, FLOP/s), for model FLOPs utilisation.
+PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+              "A10G": 125e12, "L4": 121e12, "V100": 125e12}
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The accelerator's peak for the precision trained in, or None (CPUs, fp32, unknown GPUs)."""
+    if device.type != "cuda" or precision not in ("bf16", "fp16"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
+
+
 def _precision(choice: str) -> str:
     if choice == "auto":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
@@ -121,7 +135,12 @@ class Trainer:
         sp = vocab.load(vocab_dir)
         model = Transformer(model_config, sp.get_piece_size(), vocab.PAD_ID)
         self.n_parameters = sum(p.numel() for p in model.parameters())
-        optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=params.adam_betas, eps=params.adam_eps)
+        self.flops = lambda src_lengths, tgt_lengths: training_flops(model_config, model.vocab_size,
+                                                                     src_lengths, tgt_lengths)
+        self.peak = peak_flops(accelerator.device, accelerator.mixed_precision)
+        self.total_flops = self.total_seconds = 0.0  # over the whole run, resumptions included
+        optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=params.adam_betas, eps=params.adam_eps,
+                                     fused=True)
         # LambdaLR scales lr=1.0 by the paper's rate; its counter is the number of steps taken so far.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda done: inverse_sqrt_rate(done + 1, model_config.d_model, params.warmup_steps))
@@ -147,6 +166,7 @@ class Trainer:
         # what batching costs: padded slots per side, and the real tokens of the side that binds the budget
         padded = {"src_slots": sum(s.numel() for s, _, _ in micro), "tgt_slots": sum(t.numel() for _, _, t in micro),
                   "binding": sum(max(int(s.ne(vocab.PAD_ID).sum()), int(t.ne(vocab.PAD_ID).sum())) for s, _, t in micro)}
+        flops = sum(self.flops(s.ne(vocab.PAD_ID).sum(1), t.ne(vocab.PAD_ID).sum(1)) for s, _, t in micro)
         global_tokens = float(acc.reduce(torch.tensor(local_tokens, device=acc.device), "sum"))
         loss_sum = nll_sum = 0.0
         for i, (src, tgt_in, tgt_out) in enumerate(micro):
@@ -170,7 +190,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {"loss_sum": loss_sum, "nll_sum": nll_sum, "tokens": local_tokens, "src_tokens": local_src_tokens,
-                "grad_norm": float(grad_norm), "lr": lr, **padded}
+                "grad_norm": float(grad_norm), "lr": lr, "flops": flops, **padded}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -207,6 +227,8 @@ class Trainer:
             "scaler": scaler,
             "sampler": self.sampler.state_dict(),
             "rng": rngs,
+            "total_flops": self.total_flops,
+            "total_seconds": self.total_seconds,
             "history": self.history,
             "valid_history": self.valid_history,
             "fingerprint": self.fingerprint,
@@ -222,11 +244,15 @@ class Trainer:
         self.acc.wait_for_everyone()
 
     def resume(self, checkpoint_dir: Path) -> None:
-        found = checkpoints(checkpoint_dir)
-        if not found:
+        state = path = None
+        for _, path in reversed(checkpoints(checkpoint_dir)):
+            try:
+                state = load_checkpoint(path)
+                break
+            except PipelineError as e:  # e.g. a disk that filled up: fall back to the one before
+                self.acc.print(f"warning: skipping {e}")
+        if state is None:
             return
-        path = found[-1][1]
-        state = load_checkpoint(path)
         if state["fingerprint"] != self.fingerprint:
             changed = _differences(state["fingerprint"], self.fingerprint)
             raise PipelineError(
@@ -243,6 +269,7 @@ class Trainer:
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
         self.step = int(state["step"])
+        self.total_flops, self.total_seconds = float(state["total_flops"]), float(state["total_seconds"])
         self.history, self.valid_history = list(state["history"]), list(state["valid_history"])
         self.acc.print(f"resumed from {path} at step {self.step}")
 
@@ -285,7 +312,7 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: st
 
     bar = tqdm(total=params.max_steps, initial=trainer.step, desc="train", unit=" steps", disable=not main,
                mininterval=2)
-    summed = ("loss_sum", "nll_sum", "tokens", "src_tokens", "src_slots", "tgt_slots", "binding")
+    summed = ("loss_sum", "nll_sum", "tokens", "src_tokens", "src_slots", "tgt_slots", "binding", "flops")
     window = dict.fromkeys((*summed, "time", "steps"), 0.0)
     last_save = time.monotonic()
     while trainer.step < params.max_steps:
@@ -299,7 +326,9 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: st
         step = trainer.step
         if step % params.log_every == 0 or step == params.max_steps:
             sums = acc.reduce(torch.tensor([window[k] for k in summed], device=acc.device, dtype=torch.float64), "sum")
-            loss_sum, nll_sum, tokens, src_tokens, src_slots, tgt_slots, binding = sums.tolist()
+            loss_sum, nll_sum, tokens, src_tokens, src_slots, tgt_slots, binding, flops = sums.tolist()
+            trainer.total_flops += flops
+            trainer.total_seconds += window["time"]
             micro_batches = window["steps"] * params.grad_accum * acc.num_processes
             row = {"step": step, "loss": loss_sum / tokens, "nll": nll_sum / tokens,
                    "ppl": math.exp(min(nll_sum / tokens, 50.0)), "lr": out["lr"], "grad_norm": out["grad_norm"],
@@ -307,7 +336,10 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: st
                    "tgt_tokens_per_sec": tokens / max(window["time"], 1e-9),
                    "src_tokens_per_sec": src_tokens / max(window["time"], 1e-9),
                    "src_padding": 1 - src_tokens / src_slots, "tgt_padding": 1 - tokens / tgt_slots,
-                   "batch_fill": binding / (micro_batches * trainer.micro_tokens)}
+                   "batch_fill": binding / (micro_batches * trainer.micro_tokens),
+                   "tflops": flops / max(window["time"], 1e-9) / 1e12, "train_flops": trainer.total_flops}
+            if trainer.peak:  # model FLOPs utilisation of all the processes' accelerators
+                row["mfu"] = flops / max(window["time"], 1e-9) / (trainer.peak * acc.num_processes)
             trainer.history.append(row)
             log({k: v for k, v in row.items() if k != "step"}, step)
             bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tgt_tokens_per_sec']:.0f}")
@@ -332,7 +364,12 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: st
     acc.wait_for_everyone()
     final = trainer.history[-1] if trainer.history else {}
     valid = {k: v for k, v in (trainer.valid_history[-1] if trainer.valid_history else {}).items() if k != "step"}
-    return {"steps": trainer.step, "parameters": trainer.n_parameters,
-            "loss": final.get("loss", float("nan")), "nll": final.get("nll", float("nan")),
-            "tgt_tokens_per_sec": float(np.mean([r["tgt_tokens_per_sec"] for r in trainer.history] or [0.0])),
-            **valid}
+    mean = lambda key: float(np.mean([r[key] for r in trainer.history if key in r] or [float("nan")]))  # noqa: E731
+    out = {"steps": trainer.step, "parameters": trainer.n_parameters,
+           "loss": final.get("loss", float("nan")), "nll": final.get("nll", float("nan")),
+           "tgt_tokens_per_sec": mean("tgt_tokens_per_sec"), "tflops": mean("tflops"),
+           "train_flops": trainer.total_flops, "train_hours": trainer.total_seconds / 3600,
+           "accelerator_hours": trainer.total_seconds / 3600 * acc.num_processes, **valid}
+    if trainer.peak:
+        out["mfu"] = mean("mfu")
+    return out

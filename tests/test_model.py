@@ -1,4 +1,5 @@
 """The model's masks, cached decoding and beam search."""
+import dataclasses
 import math
 
 import pytest
@@ -6,7 +7,9 @@ import torch
 
 from transformer import IncrementalDecoder, Transformer, TransformerConfig, beam_search, inverse_sqrt_rate
 from transformer.beam_search import gnmt_length_penalty
+import transformer.loss as loss_module
 from transformer.loss import label_smoothed_nll_loss
+from transformer.model import training_flops
 
 PAD, BOS, EOS = 0, 2, 3
 
@@ -136,25 +139,80 @@ def test_schedule_warms_up_then_decays():
     assert rates[2] == pytest.approx(512**-0.5 * 4000**-0.5)
 
 
-def test_label_smoothing_ignores_padding_and_matches_pytorch():
-    logits = torch.randn(2, 5, 11)
+@pytest.mark.parametrize("chunk_rows", [3, 1000])
+def test_label_smoothing_ignores_padding_and_matches_pytorch(monkeypatch, chunk_rows):
+    monkeypatch.setattr(loss_module, "_chunk_rows", lambda logits: chunk_rows)
+    logits = torch.randn(2, 5, 11, requires_grad=True)
     target = torch.randint(1, 11, (2, 5))
     target[1, 3:] = PAD
     loss, nll = label_smoothed_nll_loss(logits, target, 0.1, PAD)
-    expected = torch.nn.functional.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=PAD,
-                                                 label_smoothing=0.1, reduction="sum")
+    flat, ce = logits.view(-1, 11), torch.nn.functional.cross_entropy
+    expected = ce(flat, target.view(-1), ignore_index=PAD, label_smoothing=0.1, reduction="sum")
+    expected_nll = ce(flat, target.view(-1), ignore_index=PAD, reduction="sum")
     torch.testing.assert_close(loss, expected)
-    torch.testing.assert_close(nll, torch.nn.functional.cross_entropy(
-        logits.view(-1, 11), target.view(-1), ignore_index=PAD, reduction="sum"))
+    torch.testing.assert_close(nll, expected_nll)
+    # gradients of any combination of the two, padding rows included (they must get none)
+    for a, b in ((1.0, 0.0), (0.5, 2.0), (-1.0, 0.3)):
+        ours, = torch.autograd.grad(a * loss + b * nll, logits, retain_graph=True)
+        theirs, = torch.autograd.grad(a * expected + b * expected_nll, logits, retain_graph=True)
+        torch.testing.assert_close(ours, theirs)
+        assert ours[1, 3:].abs().sum() == 0
+
+
+BASE = TransformerConfig(512, 8, 2048, 6, 6, 0.1, 0.0, "post", "sinusoidal", 1024)
+BIG = TransformerConfig(1024, 16, 4096, 6, 6, 0.3, 0.0, "post", "sinusoidal", 1024)
+
+
+def count(config, vocab=37000):
+    return sum(p.numel() for p in Transformer(config, vocab, PAD).parameters())
 
 
 def test_paper_shapes_and_parameter_counts():
-    base = TransformerConfig(512, 8, 2048, 6, 6, 0.1, 0.0, "post", "sinusoidal", 1024)
-    big = TransformerConfig(1024, 16, 4096, 6, 6, 0.3, 0.0, "post", "sinusoidal", 1024)
-    count = lambda c: sum(p.numel() for p in Transformer(c, 37000, PAD).parameters())  # noqa: E731
-    # The paper's Table 3: 65M and 213M. A shared 37k vocabulary gives 63.1M and 214.2M here.
-    assert count(base) == pytest.approx(65e6, rel=0.035)
-    assert count(big) == pytest.approx(213e6, rel=0.01)
+    # With a shared 37k vocabulary: base 63.1M (the paper's Table 3: 65M, -3.0%), big 214.2M (213M, +0.6%).
+    # Without the embedding, the count is the architecture's alone and exact.
+    d, f, L = 512, 2048, 6
+    attention, ffn, norm = 4 * (d * d + d), 2 * d * f + d + f, 2 * d
+    assert count(BASE) - 37000 * d == L * (attention + ffn + 2 * norm) + L * (2 * attention + ffn + 3 * norm)
+    assert count(BASE) == pytest.approx(65e6, rel=0.035)
+    assert count(BIG) == pytest.approx(213e6, rel=0.01)
+    model = Transformer(BIG, 37000, PAD)
+    assert len(model.encoder) == len(model.decoder) == 6
+    assert model.decoder[0].cross_attn.q_proj.weight.shape == (1024, 1024) and model.decoder[0].ffn.net[0].out_features == 4096
+
+
+@pytest.mark.parametrize("row, changes, paper", [
+    ("B", {"d_k": 16}, 58 - 65), ("B", {"d_k": 32}, 60 - 65),
+    ("C", {"encoder_layers": 2, "decoder_layers": 2}, 36 - 65), ("C", {"encoder_layers": 8, "decoder_layers": 8}, 80 - 65),
+    ("C", {"d_ff": 1024}, 53 - 65), ("C", {"d_ff": 4096}, 90 - 65),
+])
+def test_table3_variants_change_the_parameter_count_as_the_paper_says(row, changes, paper):
+    # The paper's Table 3 gives counts rounded to millions; compare each row's change from base.
+    assert (count(dataclasses.replace(BASE, **changes)) - count(BASE)) / 1e6 == pytest.approx(paper, abs=0.8)
+
+
+def test_heads_with_their_own_key_and_value_sizes():
+    config = TransformerConfig(32, 4, 64, 1, 1, 0.0, 0.0, "post", "sinusoidal", 64, d_k=4, d_v=12)
+    model = Transformer(config, 23, PAD).eval()
+    attn = model.encoder[0].self_attn
+    assert attn.q_proj.out_features == attn.k_proj.out_features == 16 and attn.v_proj.out_features == 48
+    src, tgt = torch.randint(4, 23, (2, 5)), torch.randint(4, 23, (2, 4))
+    assert model(src, tgt).shape == (2, 4, 23)
+    with pytest.raises(ValueError, match="not divisible"):
+        TransformerConfig(30, 4, 64, 1, 1, 0.0, 0.0, "post", "sinusoidal", 64)
+
+
+def test_training_flops_count_every_matrix_product():
+    # torch's FLOP counter sees the forward pass's products; it counts the decoder's causal attention
+    # over all T x T pairs, where the model only needs the T (T + 1) / 2 at or before each position.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = TransformerConfig(32, 4, 64, 2, 3, 0.0, 0.0, "post", "sinusoidal", 64, d_k=4, d_v=12)
+    model = Transformer(config, 23, PAD)
+    s, t = 7, 5
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(4, 23, (1, s)), torch.randint(4, 23, (1, t)))
+    causal_saving = 2 * 4 * (4 + 12) * (t * t - t * (t + 1) // 2) * 3
+    assert training_flops(config, 23, torch.tensor([s]), torch.tensor([t])) == 3 * (counter.get_total_flops() - causal_saving)
 
 
 def test_search_does_not_stop_before_a_better_hypothesis_can_finish():

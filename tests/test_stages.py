@@ -196,6 +196,7 @@ def test_train_writes_checkpoints_curves_and_finite_metrics(trained, work):
     checkpoint_dir, m = trained
     assert [step for step, _ in train.checkpoints(checkpoint_dir)] == [2, 4, 6]
     assert m["steps"] == 6 and math.isfinite(m["loss"]) and math.isfinite(m["valid_loss"])
+    assert m["train_flops"] > 0 and m["tflops"] > 0 and "mfu" not in m  # utilisation only where a peak is known
     rows = (work / "plots/train.csv").read_text().splitlines()
     assert rows[0].startswith("step,loss,nll") and len(rows) == 4  # header + steps 2, 4, 6
     header = rows[0].split(",")
@@ -211,7 +212,8 @@ def test_resume_equals_uninterrupted(encoded, vocab_dir, tmp_path):
 
     run(6, tmp_path / "straight")
     run(4, tmp_path / "stopped")  # a run stopped after step 4 ...
-    run(6, tmp_path / "stopped")  # ... and resumed to step 6
+    (tmp_path / "stopped/checkpoint-00000005.pt").write_bytes(b"cut short by a full disk")
+    run(6, tmp_path / "stopped")  # ... and resumed to step 6, from the newest checkpoint that loads
     a = train.load_checkpoint(tmp_path / "straight/checkpoint-00000006.pt")
     b = train.load_checkpoint(tmp_path / "stopped/checkpoint-00000006.pt")
     same = lambda rows: [(r["step"], r["loss"], r["nll"], r["lr"], r["grad_norm"]) for r in rows]  # noqa: E731

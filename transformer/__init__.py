@@ -4,7 +4,8 @@ Nothing here knows about files, tracking or distributed training: those belong t
 """
 from transformer.beam_search import Hypothesis, beam_search
 from transformer.loss import label_smoothed_nll_loss
-from transformer.model import IncrementalDecoder, Transformer, TransformerConfig
+from transformer.config import TransformerConfig
+from transformer.model import IncrementalDecoder, Transformer
 from transformer.schedule import inverse_sqrt_rate
 
 __all__ = [

@@ -6,27 +6,27 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 # One entry per attention module that decodes incrementally: its keys and values so far,
-# each (B, n_heads, T, d_head). Beam search reorders every entry along B as beams are chosen.
+# each (B, n_heads, T, d_k or d_v). Beam search reorders every entry along B as beams are chosen.
 KVCache = dict[str, tuple[Tensor, Tensor]]
 
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, dropout: float, cache_key: str) -> None:
+    """h heads, each projecting queries and keys to d_k and values to d_v (the paper: d_k = d_v =
+    d_model / h = 64; Table 3 rows (A) and (B) vary them)."""
+
+    def __init__(self, d_model: int, n_heads: int, d_k: int, d_v: int, dropout: float, cache_key: str) -> None:
         super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"d_model {d_model} is not divisible by n_heads {n_heads}")
-        self.n_heads = n_heads
-        self.d_head = d_model // n_heads
+        self.n_heads, self.d_k, self.d_v = n_heads, d_k, d_v
         self.dropout = dropout
         self.cache_key = cache_key
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.k_proj = nn.Linear(d_model, d_model)
-        self.v_proj = nn.Linear(d_model, d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.q_proj = nn.Linear(d_model, n_heads * d_k)
+        self.k_proj = nn.Linear(d_model, n_heads * d_k)
+        self.v_proj = nn.Linear(d_model, n_heads * d_v)
+        self.out_proj = nn.Linear(n_heads * d_v, d_model)
 
     def _heads(self, x: Tensor) -> Tensor:
-        b, t, _ = x.shape  # (B, T, d_model) -> (B, n_heads, T, d_head)
-        return x.view(b, t, self.n_heads, self.d_head).transpose(1, 2)
+        b, t, _ = x.shape  # (B, T, n_heads * d) -> (B, n_heads, T, d)
+        return x.view(b, t, self.n_heads, -1).transpose(1, 2)
 
     def forward(
         self,
@@ -67,6 +67,6 @@ class MultiHeadAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             # With a cache the single new query already sees only the past.
             is_causal=causal and cache is None,
-        )  # (B, n_heads, Tq, d_head)
+        )  # (B, n_heads, Tq, d_v)
         b, _, tq, _ = y.shape
-        return self.out_proj(y.transpose(1, 2).reshape(b, tq, self.n_heads * self.d_head))
+        return self.out_proj(y.transpose(1, 2).reshape(b, tq, self.n_heads * self.d_v))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from transformer.attention import KVCache, MultiHeadAttention
+from transformer.config import TransformerConfig
 
 
 class FeedForward(nn.Module):
@@ -33,14 +34,18 @@ class Residual(nn.Module):
         return self.norm(x + self.dropout(sublayer(x)))
 
 
+def _attention(c: TransformerConfig, cache_key: str) -> MultiHeadAttention:
+    return MultiHeadAttention(c.d_model, c.n_heads, *c.head_dims, c.attention_dropout, cache_key)
+
+
 class EncoderLayer(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float, attention_dropout: float,
-                 pre_norm: bool, name: str) -> None:
+    def __init__(self, c: TransformerConfig, name: str) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout, f"{name}.self")
-        self.ffn = FeedForward(d_model, d_ff)
-        self.attn_block = Residual(d_model, dropout, pre_norm)
-        self.ffn_block = Residual(d_model, dropout, pre_norm)
+        pre_norm = c.norm == "pre"
+        self.self_attn = _attention(c, f"{name}.self")
+        self.ffn = FeedForward(c.d_model, c.d_ff)
+        self.attn_block = Residual(c.d_model, c.dropout, pre_norm)
+        self.ffn_block = Residual(c.d_model, c.dropout, pre_norm)
 
     def forward(self, x: Tensor, src_pad: Tensor) -> Tensor:
         x = self.attn_block(x, lambda h: self.self_attn(h, h, key_padding_mask=src_pad))
@@ -48,15 +53,15 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float, attention_dropout: float,
-                 pre_norm: bool, name: str) -> None:
+    def __init__(self, c: TransformerConfig, name: str) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout, f"{name}.self")
-        self.cross_attn = MultiHeadAttention(d_model, n_heads, attention_dropout, f"{name}.cross")
-        self.ffn = FeedForward(d_model, d_ff)
-        self.self_block = Residual(d_model, dropout, pre_norm)
-        self.cross_block = Residual(d_model, dropout, pre_norm)
-        self.ffn_block = Residual(d_model, dropout, pre_norm)
+        pre_norm = c.norm == "pre"
+        self.self_attn = _attention(c, f"{name}.self")
+        self.cross_attn = _attention(c, f"{name}.cross")
+        self.ffn = FeedForward(c.d_model, c.d_ff)
+        self.self_block = Residual(c.d_model, c.dropout, pre_norm)
+        self.cross_block = Residual(c.d_model, c.dropout, pre_norm)
+        self.ffn_block = Residual(c.d_model, c.dropout, pre_norm)
 
     def forward(self, x: Tensor, memory: Tensor, src_pad: Tensor, cache: KVCache | None = None) -> Tensor:
         x = self.self_block(x, lambda h: self.self_attn(h, h, causal=True, cache=cache))

@@ -1,8 +1,70 @@
-"""Label-smoothed cross-entropy (paper section 5.4, epsilon 0.1)."""
+"""Label-smoothed cross-entropy (paper section 5.4, epsilon 0.1), fused over the vocabulary.
+
+With a 37k vocabulary the logits are the largest tensor of a training step, and the textbook loss
+(log_softmax, gather, mean, and their backward passes) reads and writes it about eight times. Here
+the forward pass reads it once for its log-sum-exp and once for its mean, and the backward pass
+writes the gradient once: softmax minus the smoothed target. Rows are processed in chunks, so fp32
+temporaries stay small whatever the batch and the logits' precision.
+"""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
+
+
+def _chunk_rows(logits: Tensor) -> int:
+    """Rows per chunk: a few MB on CPUs, so a chunk's passes hit the cache; far larger on GPUs, where
+    each chunk costs kernel launches."""
+    elements = 2**27 if logits.is_cuda else 2**20
+    return max(1, elements // logits.size(-1))
+
+
+class _SmoothedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, target: Tensor, epsilon: float, pad_id: int) -> tuple[Tensor, Tensor]:
+        # logits (N, V) in any float precision, target (N,)
+        lse = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
+        mean = torch.empty_like(lse)
+        step = _chunk_rows(logits)
+        for start in range(0, logits.size(0), step):
+            chunk = logits[start : start + step].float()
+            lse[start : start + step] = torch.logsumexp(chunk, dim=-1)
+            mean[start : start + step] = chunk.mean(dim=-1)
+        keep = target.ne(pad_id)
+        nll = lse - logits.gather(-1, target[:, None]).squeeze(-1).float()  # -log p(reference)
+        smooth = lse - mean  # -mean over the vocabulary of log p
+        loss = (1.0 - epsilon) * nll + epsilon * smooth
+        ctx.save_for_backward(logits, target, lse, keep)
+        ctx.epsilon = epsilon
+        return loss[keep].sum(), nll[keep].sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, grad_nll: Tensor) -> tuple[Tensor | None, ...]:
+        logits, target, lse, keep = ctx.saved_tensors
+        eps, vocab = ctx.epsilon, logits.size(-1)
+        # d loss / d logits = softmax - (1 - eps) * onehot(target) - eps / V; d nll = softmax - onehot.
+        on_softmax = float(grad_loss + grad_nll)
+        on_target = ((1.0 - eps) * grad_loss + grad_nll).float()
+        uniform = eps * float(grad_loss) / vocab
+        grad = torch.empty_like(logits)
+        work = grad if grad.dtype == torch.float32 else None
+        step = _chunk_rows(logits)
+        for start in range(0, logits.size(0), step):
+            end = min(start + step, logits.size(0))
+            x, shift = logits[start:end].float(), lse[start:end, None]
+            if on_softmax > 0:  # fold the scale into the exponent: a * exp(x - lse) = exp(x - lse + log a)
+                p = torch.sub(x, shift - math.log(on_softmax), out=work[start:end] if work is not None else None)
+                p.exp_()
+            else:
+                p = torch.sub(x, shift, out=work[start:end] if work is not None else None).exp_().mul_(on_softmax)
+            p.sub_(uniform)
+            p.scatter_add_(-1, target[start:end, None], (-on_target).expand(end - start, 1))
+            p[~keep[start:end]] = 0.0
+            if work is None:
+                grad[start:end] = p
+        return grad, None, None, None
 
 
 def label_smoothed_nll_loss(logits: Tensor, target: Tensor, epsilon: float, pad_id: int) -> tuple[Tensor, Tensor]:
@@ -11,10 +73,6 @@ def label_smoothed_nll_loss(logits: Tensor, target: Tensor, epsilon: float, pad_
     Sums, not means, so the caller divides by the token count of the whole optimizer step and the
     result does not depend on how the step is split into micro-batches or processes.
     The smoothed target puts 1 - epsilon on the reference and epsilon spread uniformly over the vocabulary.
+    logits (..., V), target (...).
     """
-    lprobs = torch.log_softmax(logits.float(), dim=-1)  # (..., V), in fp32 whatever the compute type
-    keep = target.ne(pad_id)
-    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    smooth = -lprobs.mean(dim=-1)
-    loss = (1.0 - epsilon) * nll + epsilon * smooth
-    return loss[keep].sum(), nll[keep].sum()
+    return _SmoothedCrossEntropy.apply(logits.reshape(-1, logits.size(-1)), target.reshape(-1), epsilon, pad_id)

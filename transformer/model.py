@@ -3,40 +3,23 @@ the target and the pre-softmax projection (section 3.4), as the joint vocabulary
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from torch import Tensor, nn
 
 from transformer.attention import KVCache
+from transformer.config import TransformerConfig
 from transformer.layers import DecoderLayer, EncoderLayer
 
 
-@dataclass(frozen=True)
-class TransformerConfig:
-    """The architecture; the paper's base model is 512 / 8 / 2048 / 6+6 / 0.1."""
-
-    d_model: int
-    n_heads: int
-    d_ff: int
-    encoder_layers: int
-    decoder_layers: int
-    dropout: float  # on embeddings and on every sub-layer's output (section 5.4)
-    attention_dropout: float  # on attention weights; the paper uses none
-    norm: Literal["post", "pre"]  # post: the paper's LayerNorm(x + Sublayer(x))
-    positions: Literal["sinusoidal", "learned"]
-    max_positions: int  # longest sequence the position encoding covers
-
-
 def sinusoidal_positions(n: int, d_model: int) -> Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)  (section 3.5); (n, d_model)."""
+    """sin(pos / 10000^(2i/d)) and cos(...) for i < d/2 (section 3.5); (n, d_model).
+
+    The paper interleaves them (dimensions 2i and 2i+1); its code, tensor2tensor, and Marian (so
+    the exported model) put the sines in the first half and the cosines in the second: the same
+    features in another order, which a learned model cannot tell apart. We use the code's order."""
     pos = torch.arange(n, dtype=torch.float32)[:, None]
     inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
-    pe = torch.zeros(n, d_model)
-    pe[:, 0::2] = torch.sin(pos * inv_freq)
-    pe[:, 1::2] = torch.cos(pos * inv_freq)
-    return pe
+    return torch.cat([torch.sin(pos * inv_freq), torch.cos(pos * inv_freq)], dim=1)
 
 
 class Transformer(nn.Module):
@@ -51,14 +34,8 @@ class Transformer(nn.Module):
             self.register_buffer("sinusoids", sinusoidal_positions(c.max_positions, c.d_model), persistent=False)
         self.embed_dropout = nn.Dropout(c.dropout)
         pre = c.norm == "pre"
-        self.encoder = nn.ModuleList(
-            EncoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.attention_dropout, pre, f"enc{i}")
-            for i in range(c.encoder_layers)
-        )
-        self.decoder = nn.ModuleList(
-            DecoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.attention_dropout, pre, f"dec{i}")
-            for i in range(c.decoder_layers)
-        )
+        self.encoder = nn.ModuleList(EncoderLayer(c, f"enc{i}") for i in range(c.encoder_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(c, f"dec{i}") for i in range(c.decoder_layers))
         # Pre-norm stacks end in a LayerNorm of their own; post-norm layers already end in one.
         self.encoder_norm = nn.LayerNorm(c.d_model) if pre else nn.Identity()
         self.decoder_norm = nn.LayerNorm(c.d_model) if pre else nn.Identity()
@@ -134,3 +111,26 @@ class IncrementalDecoder:
         if self.cache is not None:
             for key, (k, v) in self.cache.items():
                 self.cache[key] = (k.index_select(0, order), v.index_select(0, order))
+
+
+def training_flops(config: TransformerConfig, vocab_size: int, src_lengths: Tensor, tgt_lengths: Tensor) -> float:
+    """Model FLOPs of one training step on these sentence pairs (no padding, no recomputation): the
+    matrix products of the forward pass, 2 per multiply-add, times 3 for the backward pass. The basis of
+    model FLOPs utilisation; each decoder position attends to itself and the positions before it.
+    src_lengths, tgt_lengths (B,): tokens per sentence, EOS (and BOS) included."""
+    c = config
+    d_k, d_v = c.head_dims
+    qk, v = c.n_heads * d_k, c.n_heads * d_v
+    s, t = src_lengths.double(), tgt_lengths.double()
+    n_src, n_tgt = s.sum(), t.sum()
+    projections = 2 * c.d_model * (2 * qk + v) + 2 * v * c.d_model  # q, k, v and output, per token
+    ffn = 4 * c.d_model * c.d_ff
+    encoder = c.encoder_layers * ((projections + ffn) * n_src + 2 * (qk + v) * (s * s).sum())
+    decoder = c.decoder_layers * (
+        (2 * projections + ffn) * n_tgt - 2 * c.d_model * (qk + v) * n_tgt  # cross-attention keys/values come from
+        + 2 * c.d_model * (qk + v) * n_src  # the source, once per source token
+        + 2 * (qk + v) * (t * (t + 1) / 2).sum()  # causal self-attention
+        + 2 * (qk + v) * (s * t).sum()  # attention to the source
+    )
+    output = 2 * c.d_model * vocab_size * n_tgt
+    return float(3 * (encoder + decoder + output))

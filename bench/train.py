@@ -1,0 +1,138 @@
+"""Training throughput: our Transformer against the same architecture built from Hugging Face
+transformers' MarianMT, on the same batches, in the same precision, in one run.
+
+    python bench/train.py                      # CPU: base model, 3000-token batches
+    python bench/train.py --batch-tokens 25000 --precision bf16   # a GPU: the paper's step
+
+Both sides run one optimizer step exactly as a training loop does: forward, label-smoothed (0.1)
+cross-entropy summed over target tokens, backward, Adam. Batch shapes come from the pipeline's own
+token batching over the lengths of the shared WMT14 training samples (subword lengths estimated as
+1.3 x words) with random token ids, so the padding is what training sees. The two models are timed
+in alternation, and the figure is target tokens (padding excluded) per second.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stages.batching import token_batches
+from stages.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer import Transformer, TransformerConfig, label_smoothed_nll_loss
+
+SHARED = Path(os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+SAMPLE = SHARED / "wmt14/train-sample/hf-europarl-20k/train"
+PRESETS = {"base": dict(d_model=512, n_heads=8, d_ff=2048), "big": dict(d_model=1024, n_heads=16, d_ff=4096)}
+
+
+def batches(batch_tokens: int, vocab_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    words = [[len(line.split()) for line in open(f"{SAMPLE}.{lang}", encoding="utf-8")] for lang in ("en", "de")]
+    src_len, tgt_len = (np.maximum(1, np.round(np.array(w) * 1.3)).astype(np.int64) for w in words)
+    chosen, _ = token_batches(src_len, tgt_len, batch_tokens, seed=1)
+    rng = np.random.default_rng(0)
+    out = []
+    for indices in rng.permutation(len(chosen))[:count]:
+        idx = chosen[indices]
+        s, t = src_len[idx], tgt_len[idx]
+        src = torch.full((len(idx), s.max() + 1), PAD_ID)
+        tgt_in = torch.full((len(idx), t.max() + 1), PAD_ID)
+        tgt_out = tgt_in.clone()
+        for row, (a, b) in enumerate(zip(s, t)):
+            src[row, :a] = torch.from_numpy(rng.integers(4, vocab_size, a))
+            src[row, a] = EOS_ID
+            ids = torch.from_numpy(rng.integers(4, vocab_size, b))
+            tgt_in[row, 0], tgt_in[row, 1 : b + 1] = BOS_ID, ids
+            tgt_out[row, :b], tgt_out[row, b] = ids, EOS_ID
+        out.append((src, tgt_in, tgt_out))
+    return out
+
+
+def ours(config: TransformerConfig, vocab_size: int):
+    model = Transformer(config, vocab_size, PAD_ID)
+
+    def loss(src, tgt_in, tgt_out):
+        return label_smoothed_nll_loss(model(src, tgt_in), tgt_out, 0.1, PAD_ID)[0]
+    return model, loss
+
+
+def marian(config: TransformerConfig, vocab_size: int):
+    from transformers import MarianConfig, MarianMTModel
+
+    c = config
+    model = MarianMTModel(MarianConfig(
+        vocab_size=vocab_size, decoder_vocab_size=vocab_size, d_model=c.d_model, encoder_layers=c.encoder_layers,
+        decoder_layers=c.decoder_layers, encoder_attention_heads=c.n_heads, decoder_attention_heads=c.n_heads,
+        encoder_ffn_dim=c.d_ff, decoder_ffn_dim=c.d_ff, activation_function="relu", dropout=c.dropout,
+        attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=c.max_positions,
+        scale_embedding=True, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+        pad_token_id=PAD_ID, eos_token_id=EOS_ID, decoder_start_token_id=BOS_ID))
+
+    def loss(src, tgt_in, tgt_out):
+        logits = model(input_ids=src, attention_mask=src.ne(PAD_ID), decoder_input_ids=tgt_in,
+                       decoder_attention_mask=tgt_in.ne(PAD_ID)).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=PAD_ID,
+                               label_smoothing=0.1, reduction="sum")
+    return model, loss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=PRESETS, default="base")
+    ap.add_argument("--vocab-size", type=int, default=37000)
+    ap.add_argument("--batch-tokens", type=int, default=3000, help="per side per step")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per model")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--compile", action="store_true", help="torch.compile both models")
+    args = ap.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    config = TransformerConfig(**PRESETS[args.preset], encoder_layers=6, decoder_layers=6, dropout=0.1,
+                               attention_dropout=0.0, norm="post", positions="sinusoidal", max_positions=1024)
+    data = batches(args.batch_tokens, args.vocab_size, args.warmup + args.steps)
+    runs = {}
+    for name, build in (("ours", ours), ("MarianMT (transformers)", marian)):
+        model, loss_fn = build(config, args.vocab_size)
+        model.to(device).train()
+        step_fn = torch.compile(loss_fn) if args.compile else loss_fn
+        runs[name] = (model, step_fn, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+                                                        fused=True))
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    for i, (src, tgt_in, tgt_out) in enumerate(data):
+        src, tgt_in, tgt_out = (x.to(device) for x in (src, tgt_in, tgt_out))
+        for name, (model, step_fn, optimizer) in runs.items():  # alternate, so drift hits both alike
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.autocast(device.type, dtype=dtype, enabled=args.precision != "fp32"):
+                loss = step_fn(src, tgt_in, tgt_out)
+            (loss / tgt_out.ne(PAD_ID).sum()).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    tokens = sum(int(t.ne(PAD_ID).sum()) for _, _, t in data[args.warmup :])
+    params = {name: sum(p.numel() for p in m.parameters()) for name, (m, _, _) in runs.items()}
+    print(f"{args.preset} model, {device.type} ({torch.cuda.get_device_name() if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}), "
+          f"{args.precision}{', compiled' if args.compile else ''}, batches of {args.batch_tokens} tokens per side, "
+          f"{args.steps} timed steps ({tokens} target tokens) after {args.warmup} warm-up")
+    rate = {name: tokens / sum(t) for name, t in times.items()}
+    for name in runs:
+        spread = statistics.pstdev(times[name]) / statistics.mean(times[name])
+        print(f"{name:26}{rate[name]:>12,.0f} target tokens/s  ({params[name] / 1e6:.1f}M parameters, "
+              f"step time varies {spread:.0%})")
+    print(f"ratio ours / MarianMT: {rate['ours'] / rate['MarianMT (transformers)']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
