@@ -4,6 +4,7 @@ Prefect flow, and presets.
     python -m pipeline clean --raw-dir data/raw --out-dir data/clean --metrics metrics/clean.json
     python -m pipeline run --preset quickstart -S train.max_steps=500
     python -m pipeline quickstart
+    echo "Hello world." | python -m pipeline translate -S decode.beam_size=5
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from pipeline import config, tracking
 from pipeline.config import Params
-from stages import average, clean, decode, download, encode, score, train, vocab
+from stages import average, clean, decode, download, encode, export, score, train, vocab
 from stages.io import PipelineError, file_digest, write_json
 
 
@@ -48,6 +49,8 @@ STAGES: dict[str, StageSpec] = {
                          lambda p, a, t: average.run(p.average, **a), artifacts=("out_path",)),
     "decode": StageSpec(("decode",), ("model_path", "vocab_dir", "clean_dir"), ("out_dir",),
                         lambda p, a, t: decode.run(p.decode, **a), artifacts=("out_dir",)),
+    "export": StageSpec((), ("model_path", "vocab_dir"), ("marian_dir", "ctranslate2_dir"),
+                        lambda p, a, t: export.run(**a), artifacts=("marian_dir",)),
     "score": StageSpec(("score",), ("hyp_dir", "ref_dir"), (), lambda p, a, t: score.run(p.score, **a)),
 }
 
@@ -98,7 +101,56 @@ def build_parser() -> argparse.ArgumentParser:
     preset.add_argument("names", nargs="*")
     preset.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     preset.add_argument("--dvc-args", action="store_true", help="print the -S arguments for `dvc exp run` instead")
+    translate = sub.add_parser("translate", help="translate lines of a file (or standard input) to standard output")
+    translate.add_argument("input", nargs="?", type=Path, help="text, one sentence a line (default: standard input)")
+    translate.add_argument("--model", type=Path, default=Path(DVC_PATHS["model"]),
+                           help="an averaged model (.safetensors) or a training checkpoint (.pt)")
+    translate.add_argument("--vocab-dir", type=Path, default=Path(DVC_PATHS["vocab"]))
+    translate.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="decode.KEY=VALUE",
+                           help="decoding parameters for this run only (params.yaml's decode section otherwise)")
+    translate.add_argument("--params", type=Path, default=config.PARAMS_FILE)
     return parser
+
+
+def _dvc_paths() -> dict[str, str]:
+    """The paths dvc.yaml names once in its vars, for commands that default to the pipeline's outputs."""
+    import yaml
+
+    data = yaml.safe_load((config.ROOT / "dvc.yaml").read_text(encoding="utf-8"))
+    return next(v["paths"] for v in data["vars"] if isinstance(v, dict) and "paths" in v)
+
+
+DVC_PATHS = _dvc_paths()
+
+
+def translate_command(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    import torch
+
+    params = config.load_params(args.params).decode
+    changes = dict(config.parse_override(o) for o in args.overrides)
+    unknown = [k for k in changes if not k.startswith("decode.") or not hasattr(params, k.split(".", 1)[1])]
+    if unknown:
+        raise PipelineError(f"translate takes decode.* parameters only, not {', '.join(unknown)}")
+    params = dataclasses.replace(params, **{k.split(".", 1)[1]: v for k, v in changes.items()})
+    if args.input is not None and not args.input.is_file():
+        raise PipelineError(f"{args.input}: input file not found")
+    lines = [line.rstrip("\n") for line in (args.input.open(encoding="utf-8") if args.input else sys.stdin)]
+    model = decode.load_translator(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    for line in decode.translate(model, vocab.load(args.vocab_dir), lines, params, desc="translate"):
+        print(line)
+
+
+def model_size(params: Params) -> str:
+    """The preset's parameter count, built on the meta device (no memory, no time)."""
+    import torch
+
+    from transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(params.model, params.vocab.vocab_size, vocab.PAD_ID)
+    return f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters with a {params.vocab.vocab_size}-piece vocabulary"
 
 
 def collect_overrides(presets: list[str], overrides: list[str]) -> dict[str, Any]:
@@ -121,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.dvc_args:
                 print(" ".join(f"-S '{k}={v if isinstance(v, str) else json.dumps(v)}'" for k, v in overrides.items()))
             else:
-                config.apply_overrides(overrides)
+                params = config.apply_overrides(overrides)
                 print(f"params.yaml: set {', '.join(overrides) or 'nothing'}")
+                print(model_size(params))
+        elif args.command == "translate":
+            translate_command(args)
         else:
             from pipeline import flow
 

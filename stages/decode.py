@@ -2,8 +2,10 @@
 length penalty alpha 0.6, at most input length + 50 tokens), detokenised, in input order."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -11,6 +13,7 @@ from tqdm import tqdm
 
 from stages import vocab
 from stages.average import load_model
+from stages.train import load_checkpoint
 from stages.io import PipelineError, atomic_write, read_lines, read_manifest, require_dir, split_path
 from transformer import IncrementalDecoder, Transformer, TransformerConfig, beam_search
 
@@ -19,14 +22,20 @@ SPLITS = ("dev", "test")
 
 @dataclass(frozen=True)
 class DecodeParams:
-    beam_size: int
-    length_penalty: float  # alpha of the GNMT penalty ((5 + length) / 6)^alpha
+    beam_size: int  # 1: greedy
+    length_penalty: float  # alpha
+    length_penalty_formula: Literal["gnmt", "power"]  # gnmt: ((5 + |Y|) / 6)^alpha (the paper); power: |Y|^alpha
     max_length_extra: int  # a translation has at most (source tokens + this) tokens
     batch_tokens: int  # source tokens per batch, padding included
 
 
 def load_translator(model_path: str | Path, device: torch.device) -> Transformer:
-    weights, meta = load_model(model_path)
+    """An averaged model (.safetensors, from the average stage) or a training checkpoint (.pt)."""
+    if Path(model_path).suffix == ".pt":
+        state = load_checkpoint(model_path)
+        weights, meta = state["model"], state
+    else:
+        weights, meta = load_model(model_path)
     model = Transformer(TransformerConfig(**meta["model_config"]), meta["vocab_size"], vocab.PAD_ID)
     model.load_state_dict(weights)
     return model.to(device).eval()
@@ -40,10 +49,11 @@ def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, de
     encoded = [ids[:limit] for ids in sp.encode(lines)]
     truncated = sum(len(ids) == limit for ids in encoded)
     if truncated:
-        print(f"warning: {truncated} input lines were cut to the model's {limit} tokens")
+        print(f"warning: {truncated} input lines were longer than the model's {limit} positions and were "
+              f"cut to that many tokens before translating", file=sys.stderr)
     order = np.argsort([len(ids) for ids in encoded], kind="stable")
     out: list[str] = [""] * len(lines)
-    bar = tqdm(total=len(lines), desc=desc, unit=" sentences", mininterval=2)
+    bar = tqdm(total=len(lines), desc=desc, unit=" sentences", mininterval=2, file=sys.stderr)
     start = 0
     while start < len(order):
         end = start + 1  # grow the batch while (sentences x longest source) fits the budget
@@ -58,7 +68,7 @@ def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, de
                                    device=device).clamp(min=1)
         decoder = IncrementalDecoder(model, src, params.beam_size)
         hyps = beam_search(decoder, len(batch), params.beam_size, max_lengths, vocab.BOS_ID, vocab.EOS_ID,
-                           params.length_penalty)
+                           params.length_penalty, params.length_penalty_formula)
         for i, found in zip(order[start:end], hyps, strict=True):
             out[i] = sp.decode(found[0].tokens) if found else ""
         bar.update(end - start)

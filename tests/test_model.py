@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from transformer import IncrementalDecoder, Transformer, TransformerConfig, beam_search, inverse_sqrt_rate
-from transformer.beam_search import gnmt_length_penalty
 import transformer.loss as loss_module
 from transformer.loss import label_smoothed_nll_loss
 from transformer.model import training_flops
@@ -108,23 +107,29 @@ class ScriptedDecoder:
                 row[tok] = math.log(p)
             self.rows[prev] = row
 
-    def step(self, tokens):
-        return torch.stack([self.rows[int(t)] for t in tokens[:, -1]])
+    def step(self, tokens):  # a prefix the table does not know (kept at -inf by the search) can only end
+        dead = torch.full_like(self.rows[BOS], float("-inf")).index_fill_(0, torch.tensor([EOS]), 0.0)
+        return torch.stack([self.rows.get(int(t), dead) for t in tokens[:, -1]])
 
     def reorder(self, order):
         pass
 
 
-def test_length_penalty_decides_between_short_and_long():
-    # After BOS: EOS at once (p=.4) or token 4 (p=.6); after 4: 5 (p=1); after 5: EOS (p=1).
-    decoder = ScriptedDecoder({BOS: {EOS: 0.4, 4: 0.6}, 4: {5: 1.0}, 5: {EOS: 1.0}})
+@pytest.mark.parametrize("formula, penalty", [("gnmt", lambda n, a: ((5 + n) / 6) ** a), ("power", lambda n, a: n**a)])
+def test_length_penalty_decides_between_short_and_long(formula, penalty):
+    # After BOS: EOS at once (p=.45), token 4 (p=.35) or 5 (p=.2); after 4: 5 (p=1); after 5: EOS (p=1).
+    decoder = ScriptedDecoder({BOS: {EOS: 0.45, 4: 0.35, 5: 0.2}, 4: {5: 1.0}, 5: {EOS: 1.0}})
+    winners = {}
     for alpha in (0.0, 0.6, 1.0):
-        hyps = beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, alpha)[0]
+        hyps = beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, alpha, formula)[0]
         by_tokens = {tuple(h.tokens): h for h in hyps}
         short, long = by_tokens[()], by_tokens[(4, 5)]
-        assert short.score == pytest.approx(math.log(0.4) / gnmt_length_penalty(1, alpha))
-        assert long.score == pytest.approx(math.log(0.6) / gnmt_length_penalty(3, alpha))
-        assert hyps[0] is (long if long.score > short.score else short)
+        assert short.score == pytest.approx(math.log(0.45) / penalty(1, alpha))  # EOS first: |Y| = 1
+        assert long.score == pytest.approx(math.log(0.35) / penalty(3, alpha))
+        winners[alpha] = hyps[0].tokens
+    # log .45 / lp(1) against log .35 / lp(3): the short one wins without a penalty, the long one with alpha 1;
+    # at 0.6 the GNMT penalty is too mild to turn it, |Y|^0.6 is not
+    assert winners == {0.0: [], 0.6: [] if formula == "gnmt" else [4, 5], 1.0: [4, 5]}
 
 
 def test_maximum_length_forces_the_end():

@@ -1,5 +1,6 @@
 """Each stage on real text from ../shared/data, in a temporary directory, chained as the DAG chains them."""
 import dataclasses
+import io
 import json
 import math
 from pathlib import Path
@@ -9,7 +10,8 @@ import pytest
 import sacrebleu
 import torch
 
-from stages import average, clean, decode, download, encode, score, train, vocab
+from pipeline import cli
+from stages import average, clean, decode, download, encode, export, score, train, vocab
 from stages.io import ParallelFiles, PipelineError, atomic_write, read_lines, write_manifest
 from transformer import TransformerConfig
 
@@ -275,7 +277,8 @@ def test_average_refuses_mismatched_checkpoints():
 
 
 def test_decode_translates_every_line_in_order(averaged, vocab_dir, cleaned, work):
-    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, max_length_extra=3, batch_tokens=2000)
+    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt",
+                                 max_length_extra=3, batch_tokens=2000)
     metrics = decode.run(params, model_path=averaged[0], vocab_dir=vocab_dir, clean_dir=cleaned[0],
                          out_dir=work / "hyps")
     assert metrics == {"dev_sentences": 3000, "test_sentences": 3003}
@@ -284,11 +287,11 @@ def test_decode_translates_every_line_in_order(averaged, vocab_dir, cleaned, wor
 
 def test_decode_batch_size_does_not_change_translations(averaged, vocab_dir, cleaned):
     model = decode.load_translator(averaged[0], torch.device("cpu"))
-    lines = list(read_lines(cleaned[0] / "dev.en"))[:40]
+    lines = list(read_lines(cleaned[0] / "dev.en"))[:64]
     sp = vocab.load(vocab_dir)
-    params = dict(beam_size=3, length_penalty=0.6, max_length_extra=4)
-    one = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=1, **params))
-    many = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=4000, **params))
+    params = dict(beam_size=3, length_penalty=0.6, length_penalty_formula="gnmt", max_length_extra=4)
+    one = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=1, **params))  # one sentence a batch
+    many = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=10**6, **params))  # all 64 in one
     assert one == many
 
 
@@ -301,20 +304,29 @@ def test_decode_refuses_a_model_that_is_not_ours(tmp_path):
 def test_score_reproduces_sacrebleu_on_newstest(shared, tmp_path):
     ref = list(read_lines(shared / "wmt14/newstest2014-full/newstest2014-deen-ref.de.txt"))
     hyp = [" ".join(line.split()[::2]) for line in ref]  # a poor but deterministic "translation"
-    result = score.score(score.ScoreParams(tokenize="13a", lowercase=False), hyp, ref, hyp_name="h", ref_name="r")
+    result = score.score(score.ScoreParams(tokenize="13a", lowercase=False), hyp, ref, hyp_name="h", ref_name="r",
+                         lang="de")
     expected = sacrebleu.corpus_bleu(hyp, [ref])
     assert result["bleu"] == pytest.approx(expected.score) and 0 < result["bleu"] < 100
     assert result["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert result["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyp, [ref]).score)
+    # the paper's tokenised, compound-split BLEU: its own figure, and it counts split compounds as tokens
+    assert result["bleu_tok"] != pytest.approx(result["bleu"]) and 0 < result["bleu_tok"] < 100
+    assert result["bleu_tok_signature"] == score.BLEU_TOK_VARIANT
+
+
+def test_paper_tokenisation_splits_compounds_like_get_ende_bleu():
+    assert score.paper_tokenize(["Die US-Regierung, 3-4-mal (so)."], "de") == [
+        "Die US ##AT##-##AT## Regierung , 3 ##AT##-##AT## 4-mal ( so ) ."]
 
 
 def test_score_refuses_mismatched_or_empty_hypotheses():
     p = score.ScoreParams(tokenize="13a", lowercase=False)
     with pytest.raises(PipelineError, match="hyp.de has 1 lines but ref.de has 2"):
-        score.score(p, ["a"], ["a", "b"], hyp_name="hyp.de", ref_name="ref.de")
+        score.score(p, ["a"], ["a", "b"], hyp_name="hyp.de", ref_name="ref.de", lang="de")
     with pytest.raises(PipelineError, match="hyp.de: the file is empty"):
-        score.score(p, [], ["a", "b"], hyp_name="hyp.de", ref_name="ref.de")
-    assert score.score(p, ["", ""], ["a b c d", "e f g h"], hyp_name="h", ref_name="r")["bleu"] == 0.0
+        score.score(p, [], ["a", "b"], hyp_name="hyp.de", ref_name="ref.de", lang="de")
+    assert score.score(p, ["", ""], ["a b c d", "e f g h"], hyp_name="h", ref_name="r", lang="de")["bleu"] == 0.0
 
 
 def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
@@ -416,3 +428,62 @@ def test_a_small_model_memorises_a_copy_task():
     with torch.no_grad():
         hyps = beam_search(IncrementalDecoder(model, src, 2), 24, 2, torch.full((24,), 10), 2, 3, 0.6)
     assert [h[0].tokens for h in hyps] == sources.tolist()
+
+
+@pytest.fixture(scope="module")
+def exported(averaged, vocab_dir, work):
+    metrics = export.run(model_path=averaged[0], vocab_dir=vocab_dir, marian_dir=work / "exports/marian",
+                         ctranslate2_dir=work / "exports/ctranslate2")
+    return work / "exports", metrics
+
+
+def test_exported_models_translate_like_the_decode_stage(exported, averaged, vocab_dir, cleaned):
+    import ctranslate2
+    from transformers import MarianMTModel, MarianTokenizer
+
+    lines = list(read_lines(cleaned[0] / "dev.en"))[:12]
+    sp = vocab.load(vocab_dir)
+    ours = decode.translate(decode.load_translator(averaged[0], torch.device("cpu")), sp, lines, decode.DecodeParams(
+        beam_size=1, length_penalty=0.0, length_penalty_formula="gnmt", max_length_extra=5, batch_tokens=10**6))
+    hf = MarianMTModel.from_pretrained(exported[0] / "marian").eval()
+    tokenizer = MarianTokenizer.from_pretrained(exported[0] / "marian")
+    ct2 = ctranslate2.Translator(str(exported[0] / "ctranslate2"))
+    for line, expected in zip(lines, ours, strict=True):
+        inputs = tokenizer([line], return_tensors="pt")
+        assert inputs["input_ids"][0].tolist() == sp.encode(line) + [vocab.EOS_ID]
+        n = len(sp.encode(line)) + 5  # the decode stage's limit: source length + max_length_extra, EOS included
+        with torch.no_grad():
+            out = hf.generate(**inputs, num_beams=1, do_sample=False, max_new_tokens=n)
+        assert tokenizer.decode(out[0], skip_special_tokens=True) == expected
+        result = ct2.translate_batch([sp.encode(line, out_type=str) + ["</s>"]], beam_size=1,
+                                     max_decoding_length=n - 1)  # CTranslate2 counts tokens before EOS
+        assert sp.decode(result[0].hypotheses[0]) == expected
+
+
+def test_export_refuses_what_marian_cannot_express(trained, vocab_dir, tmp_path):
+    state = train.load_checkpoint(train.checkpoints(trained[0])[-1][1])
+    config = {**state["model_config"], "norm": "pre"}
+    average.save_model(tmp_path / "pre.st", state["model"], {"model_config": config, "vocab_size": state["vocab_size"]})
+    with pytest.raises(PipelineError, match="cannot be written as MarianMT: model.norm is pre"):
+        export.to_marian(tmp_path / "pre.st", vocab_dir, tmp_path / "marian")
+    assert not (tmp_path / "marian").exists()
+
+
+def test_translate_command_reads_a_file_or_stdin_and_warns_of_cut_lines(averaged, vocab_dir, cleaned, tmp_path,
+                                                                       capsys, monkeypatch):
+    lines = list(read_lines(cleaned[0] / "dev.en"))[:5] + ["word " * 600]  # longer than the 512 positions
+    (tmp_path / "in.en").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    args = ["translate", "--model", str(averaged[0]), "--vocab-dir", str(vocab_dir), "-S", "decode.beam_size=2",
+            "-S", "decode.max_length_extra=3"]
+    assert cli.main([*args, str(tmp_path / "in.en")]) == 0
+    out, err = capsys.readouterr()
+    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", max_length_extra=3,
+                                 batch_tokens=8000)
+    expected = decode.translate(decode.load_translator(averaged[0], torch.device("cpu")), vocab.load(vocab_dir),
+                                lines, params)
+    assert out.splitlines() == expected and "1 input lines were longer than the model's 511 positions" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines[:2]) + "\n"))
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out.splitlines() == expected[:2]
+    assert cli.main([*args, "-S", "train.max_steps=3"]) == 1
+    assert "decode.* parameters only" in capsys.readouterr().err

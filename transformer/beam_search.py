@@ -1,4 +1,4 @@
-"""Batched beam search with the GNMT length penalty (paper section 6.1: beam 4, alpha 0.6).
+"""Batched beam search with the GNMT length penalty (paper section 6.1: beam 4, alpha 0.6) or another.
 
 The search knows nothing of the model: it asks a decoder for next-token log-probabilities of every
 live hypothesis and tells it how the hypotheses were reordered, so any decoder (the Transformer with
@@ -33,6 +33,14 @@ def gnmt_length_penalty(length: int, alpha: float) -> float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
+def power_length_penalty(length: int, alpha: float) -> float:
+    """lp(Y) = |Y|^alpha, as fairseq's and transformers' beam searches divide scores."""
+    return float(length) ** alpha
+
+
+LENGTH_PENALTIES = {"gnmt": gnmt_length_penalty, "power": power_length_penalty}
+
+
 def beam_search(
     decoder: StepDecoder,
     batch_size: int,
@@ -41,6 +49,7 @@ def beam_search(
     bos: int,
     eos: int,
     alpha: float,
+    formula: str = "gnmt",
 ) -> list[list[Hypothesis]]:
     """Search every sentence of the batch at once; return each one's finished hypotheses, best first.
 
@@ -49,8 +58,10 @@ def beam_search(
     candidates of its step. Scores rank live hypotheses by their summed log-probability and finished
     ones by that sum over the length penalty. A sentence stops once its `beam_size` best finished
     hypotheses cannot be beaten by any live one (see `_settled`), so the search returns what an
-    unbounded one would among the hypotheses it kept.
+    unbounded one would among the hypotheses it kept. `formula` names the length penalty
+    (LENGTH_PENALTIES): the paper's GNMT one, or |Y|^alpha.
     """
+    penalty = LENGTH_PENALTIES[formula]
     B, K = batch_size, beam_size
     device = max_lengths.device
     tokens = torch.full((B * K, 1), bos, dtype=torch.long, device=device)
@@ -81,7 +92,7 @@ def beam_search(
             for j in range(K):
                 if ended_cpu[b][j] and scores_cpu[b][j] > float("-inf"):
                     log_prob = scores_cpu[b][j]
-                    score = log_prob / gnmt_length_penalty(t + 1, alpha)
+                    score = log_prob / penalty(t + 1, alpha)
                     finished[b].append(Hypothesis(prefixes[b * K + beams_cpu[b][j]], score, log_prob))
 
         # The best K candidates that did not end live on; ended ones sort last.
@@ -91,7 +102,7 @@ def beam_search(
         best_alive = scores[:, 0].tolist()
         for b in range(B):
             if not done[b]:
-                done[b] = t + 1 >= limits[b] or _settled(finished[b], K, best_alive[b], limits[b], alpha)
+                done[b] = t + 1 >= limits[b] or _settled(finished[b], K, best_alive[b], penalty(limits[b], alpha))
         if all(done):
             break
         order = (torch.arange(B, device=device)[:, None] * K + top_beam.gather(1, keep)).view(-1)
@@ -100,12 +111,11 @@ def beam_search(
     return [sorted(f, key=lambda h: h.score, reverse=True) for f in finished]
 
 
-def _settled(finished: list[Hypothesis], k: int, best_alive_log_prob: float, max_length: int, alpha: float) -> bool:
+def _settled(finished: list[Hypothesis], k: int, best_alive_log_prob: float, largest_penalty: float) -> bool:
     """True when the k-th best finished score is at least the best score any live hypothesis can
     still reach: log-probabilities only fall as it grows, so that is its log-probability now over
-    the largest length penalty it could be given (at the maximum length)."""
+    the largest length penalty it could be given (at the maximum length; penalties grow with length)."""
     if len(finished) < k:
         return False
     kth = sorted((h.score for h in finished), reverse=True)[k - 1]
-    bound = best_alive_log_prob / gnmt_length_penalty(max_length if alpha > 0 else 1, alpha)
-    return kth >= bound
+    return kth >= best_alive_log_prob / largest_penalty

@@ -1,0 +1,151 @@
+"""Stage export: the averaged model in the forms people deploy, a Hugging Face MarianMT directory
+(`MarianMTModel.from_pretrained` and `MarianTokenizer` load it) and a CTranslate2 model.
+
+Marian is the paper's architecture (post-LayerNorm, sinusoidal positions with sines then cosines,
+embeddings scaled by sqrt(d_model) and shared with the output projection), so the weights map one
+to one. Only models that Marian can express are exported: other choices are refused by name.
+transformers and ctranslate2 are imported here only, so no other stage needs them.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from stages import vocab
+from stages.average import load_model
+from stages.io import PipelineError
+
+# ours -> Marian's names, per encoder / decoder layer
+_ENCODER_LAYER = {"self_attn.{p}_proj": "self_attn.{p}_proj", "attn_block.norm": "self_attn_layer_norm",
+                  "ffn.net.0": "fc1", "ffn.net.2": "fc2", "ffn_block.norm": "final_layer_norm"}
+_DECODER_LAYER = {"self_attn.{p}_proj": "self_attn.{p}_proj", "self_block.norm": "self_attn_layer_norm",
+                  "cross_attn.{p}_proj": "encoder_attn.{p}_proj", "cross_block.norm": "encoder_attn_layer_norm",
+                  "ffn.net.0": "fc1", "ffn.net.2": "fc2", "ffn_block.norm": "final_layer_norm"}
+
+
+def marian_state_dict(weights: dict[str, torch.Tensor], encoder_layers: int,
+                      decoder_layers: int) -> dict[str, torch.Tensor]:
+    out = {"model.shared.weight": weights["embed.weight"]}
+    for side, n, table in (("encoder", encoder_layers, _ENCODER_LAYER), ("decoder", decoder_layers, _DECODER_LAYER)):
+        for i in range(n):
+            for ours, theirs in table.items():
+                for p in ("q", "k", "v", "out") if "{p}" in ours else ("",):
+                    for leaf in ("weight", "bias"):
+                        out[f"model.{side}.layers.{i}.{theirs.format(p=p)}.{leaf}"] = \
+                            weights[f"{side}.{i}.{ours.format(p=p)}.{leaf}"]
+    return out
+
+
+def _check_expressible(config: dict) -> None:
+    problems = []
+    if config["norm"] != "post":
+        problems.append("model.norm is pre (Marian is post-LayerNorm)")
+    if config["positions"] != "sinusoidal":
+        problems.append("model.positions is learned (Marian's are sinusoidal)")
+    head = config["d_model"] // config["n_heads"]
+    if (config.get("d_k") or head) != head or (config.get("d_v") or head) != head:
+        problems.append("d_k or d_v differs from d_model / n_heads")
+    if problems:
+        raise PipelineError("this model cannot be written as MarianMT: " + "; ".join(problems))
+
+
+def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write a MarianMT directory (config, safetensors weights, tokenizer files, generation defaults)."""
+    from transformers import GenerationConfig, MarianConfig, MarianMTModel
+
+    weights, meta = load_model(model_path)
+    c = meta["model_config"]
+    _check_expressible(c)
+    config = MarianConfig(
+        vocab_size=meta["vocab_size"], decoder_vocab_size=meta["vocab_size"], d_model=c["d_model"],
+        encoder_layers=c["encoder_layers"], decoder_layers=c["decoder_layers"],
+        encoder_attention_heads=c["n_heads"], decoder_attention_heads=c["n_heads"],
+        encoder_ffn_dim=c["d_ff"], decoder_ffn_dim=c["d_ff"], activation_function="relu",
+        dropout=c["dropout"], attention_dropout=c["attention_dropout"], activation_dropout=0.0,
+        max_position_embeddings=c["max_positions"], scale_embedding=True, share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True, pad_token_id=vocab.PAD_ID, bos_token_id=vocab.BOS_ID, eos_token_id=vocab.EOS_ID,
+        decoder_start_token_id=vocab.BOS_ID, forced_eos_token_id=vocab.EOS_ID,
+    )
+    model = MarianMTModel(config)
+    missing, unexpected = model.load_state_dict(
+        marian_state_dict(weights, c["encoder_layers"], c["decoder_layers"]), strict=False)
+    # Everything else is tied to the shared embedding, a zero logits bias, or computed positions.
+    left = [k for k in missing if not k.endswith(("embed_tokens.weight", "lm_head.weight", "embed_positions.weight", "final_logits_bias"))]
+    if left or unexpected:
+        raise PipelineError(f"{model_path}: weights do not map onto MarianMT (missing {left[:3]}, "
+                            f"unexpected {unexpected[:3]})")
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=vocab.BOS_ID, bos_token_id=vocab.BOS_ID, eos_token_id=vocab.EOS_ID,
+        forced_eos_token_id=vocab.EOS_ID, pad_token_id=vocab.PAD_ID, num_beams=4, max_length=c["max_positions"])
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    sp = vocab.load(vocab_dir)
+    spm_file = Path(vocab_dir) / vocab.MODEL_FILE
+    for name in ("source.spm", "target.spm"):  # one joint vocabulary for both sides
+        shutil.copyfile(spm_file, tmp / name)
+    (tmp / "vocab.json").write_text(
+        json.dumps({sp.id_to_piece(i): i for i in range(sp.get_piece_size())}, ensure_ascii=False), encoding="utf-8")
+    (tmp / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "MarianTokenizer", "model_max_length": c["max_positions"],
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>", "separate_vocabs": False}), encoding="utf-8")
+    _replace_dir(tmp, out_dir)
+    return out_dir
+
+
+def to_ctranslate2(marian_dir: str | Path, out_dir: str | Path, quantization: str | None = None) -> Path:
+    """Convert the MarianMT directory with CTranslate2's own converter, keeping our decoder start."""
+    import ctranslate2
+    from ctranslate2.converters import transformers as ct2_hf
+    from transformers import MarianMTModel, MarianTokenizer
+
+    class Loader(ct2_hf.MarianMTLoader):
+        """CTranslate2's Marian loader assumes Opus-MT (decoding starts from a zero embedding, <pad>
+        last in the vocabulary); ours starts from <s> and keeps <pad> at 0, which is plain BART."""
+
+        def get_model_spec(self, model):
+            model.config.normalize_before = False
+            model.config.normalize_embedding = False
+            return ct2_hf.BartLoader.get_model_spec(self, model)
+
+        set_config = ct2_hf.BartLoader.set_config
+        set_decoder = ct2_hf.BartLoader.set_decoder
+        get_vocabulary = ct2_hf.BartLoader.get_vocabulary
+
+    class Converter(ctranslate2.converters.Converter):
+        def _load(self):
+            with torch.no_grad():
+                model = MarianMTModel.from_pretrained(marian_dir)
+                return Loader()(model, MarianTokenizer.from_pretrained(marian_dir))
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    Converter().convert(str(tmp), quantization=quantization, force=True)
+    _replace_dir(tmp, out_dir)
+    return out_dir
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> None:
+    """Swap a finished directory into place, so a reader never sees half an export."""
+    if out_dir.exists():
+        old = out_dir.with_name(out_dir.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old)
+    else:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(out_dir)
+
+
+def run(*, model_path: str | Path, vocab_dir: str | Path, marian_dir: str | Path,
+        ctranslate2_dir: str | Path) -> dict[str, float]:
+    marian = to_marian(model_path, vocab_dir, marian_dir)
+    to_ctranslate2(marian, ctranslate2_dir)
+    size = lambda d: sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())  # noqa: E731
+    return {"marian_mb": size(marian_dir) / 1e6, "ctranslate2_mb": size(ctranslate2_dir) / 1e6}
