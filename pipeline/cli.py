@@ -31,6 +31,7 @@ class StageSpec:
     outputs: tuple[str, ...]  # path arguments it writes
     call: Callable[[Params, dict[str, Path], tracking.Tracker], dict[str, Any]]
     artifacts: tuple[str, ...] = ()  # outputs logged to MLflow
+    system_metrics: bool = False  # CPU/GPU/memory use sampled into the MLflow run
     source_digest: Callable[[Params], str] | None = None  # identifies inputs named by params, not paths
 
 
@@ -44,7 +45,7 @@ STAGES: dict[str, StageSpec] = {
     "encode": StageSpec((), ("clean_dir", "vocab_dir"), ("out_dir",), lambda p, a, t: encode.run(**a)),
     "train": StageSpec(("model", "train"), ("encoded_dir", "vocab_dir"), ("checkpoint_dir", "plots_dir"),
                        lambda p, a, t: train.run(p.model, p.train, **a, log=t.log_metrics),
-                       artifacts=("plots_dir",)),
+                       artifacts=("plots_dir",), system_metrics=True),
     "average": StageSpec(("average",), ("checkpoint_dir",), ("out_path",),
                          lambda p, a, t: average.run(p.average, **a), artifacts=("out_path",)),
     "decode": StageSpec(("decode",), ("model_path", "vocab_dir", "clean_dir"), ("out_dir",),
@@ -66,7 +67,7 @@ def run_stage(name: str, paths: dict[str, Path], metrics_path: Path | None,
     if spec.source_digest is not None:
         hashed["data.source"] = spec.source_digest(params)
     experiment = tracking.experiment_name(params.download.src_lang, params.download.tgt_lang)
-    with tracking.stage_run(name, experiment, flat, hashed) as tracker:
+    with tracking.stage_run(name, experiment, flat, hashed, spec.system_metrics) as tracker:
         metrics = spec.call(params, paths, tracker)
         tracker.log_metrics(metrics)
         if metrics_path is not None and tracking.is_main_process():
@@ -97,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--preset", action="append", default=[], help="presets/<name>.yaml, applied in order")
         p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override one parameter, as `dvc exp run -S`")
+    table3 = sub.add_parser("table3", help="the paper's Table 3 rows as named DVC experiments (experiments/table3.yaml)")
+    table3.add_argument("rows", nargs="*", help="row names (default: all)")
+    table3.add_argument("--queue", action="store_true", help="queue them with `dvc exp run --queue` (else print)")
+    report = sub.add_parser("report", help="markdown and plots comparing the tracked runs with the paper")
+    report.add_argument("--out", type=Path, default=Path("reports"))
+    sub.add_parser("serve", help="serve the flow as a Prefect deployment (start runs from the Prefect UI)")
     preset = sub.add_parser("preset", help="apply presets and overrides to params.yaml without running")
     preset.add_argument("names", nargs="*")
     preset.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -112,15 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _dvc_paths() -> dict[str, str]:
-    """The paths dvc.yaml names once in its vars, for commands that default to the pipeline's outputs."""
-    import yaml
-
-    data = yaml.safe_load((config.ROOT / "dvc.yaml").read_text(encoding="utf-8"))
-    return next(v["paths"] for v in data["vars"] if isinstance(v, dict) and "paths" in v)
-
-
-DVC_PATHS = _dvc_paths()
+DVC_PATHS = config.dvc_paths()
 
 
 def translate_command(args: argparse.Namespace) -> None:
@@ -153,6 +152,30 @@ def model_size(params: Params) -> str:
     return f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters with a {params.vocab.vocab_size}-piece vocabulary"
 
 
+def dvc_set_args(overrides: dict[str, Any]) -> list[str]:
+    """['-S', 'key=value', ...] as `dvc exp run` takes them (values written as YAML/JSON)."""
+    out = []
+    for k, v in overrides.items():
+        out += ["-S", f"{k}={v if isinstance(v, str) else json.dumps(v)}"]
+    return out
+
+
+def table3_command(names: list[str], queue: bool) -> None:
+    import shlex
+    import subprocess
+
+    rows = config.table3_rows()
+    unknown = [n for n in names if n not in rows]
+    if unknown:
+        raise PipelineError(f"{config.TABLE3_FILE}: no row {', '.join(unknown)} (known: {', '.join(rows)})")
+    for name in names or rows:
+        command = ["dvc", "exp", "run", "--queue", "-n", f"table3-{name}", *dvc_set_args(rows[name])]
+        if queue:
+            subprocess.run([sys.executable, "-m", *command], cwd=config.ROOT, check=True)
+        else:
+            print(shlex.join(command))
+
+
 def collect_overrides(presets: list[str], overrides: list[str]) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for name in presets:
@@ -171,13 +194,25 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "preset":
             overrides = collect_overrides(args.names, args.overrides)
             if args.dvc_args:
-                print(" ".join(f"-S '{k}={v if isinstance(v, str) else json.dumps(v)}'" for k, v in overrides.items()))
+                import shlex
+
+                print(shlex.join(dvc_set_args(overrides)))
             else:
                 params = config.apply_overrides(overrides)
                 print(f"params.yaml: set {', '.join(overrides) or 'nothing'}")
                 print(model_size(params))
         elif args.command == "translate":
             translate_command(args)
+        elif args.command == "report":
+            from pipeline import report
+
+            print(f"wrote {report.write_report(args.out)}")
+        elif args.command == "table3":
+            table3_command(args.rows, args.queue)
+        elif args.command == "serve":
+            from pipeline import flow
+
+            flow.serve()
         else:
             from pipeline import flow
 

@@ -29,6 +29,7 @@ from transformer import TransformerConfig
 ROOT = Path(__file__).resolve().parent.parent
 PARAMS_FILE = ROOT / "params.yaml"
 PRESETS_DIR = ROOT / "presets"
+TABLE3_FILE = ROOT / "experiments/table3.yaml"
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,12 @@ def _build(cls: type, data: dict[str, Any], prefix: str, src: _Source) -> Any:
         raise src.error(prefix.rstrip(".") or names[0], str(e)) from None
 
 
+def dvc_paths() -> dict[str, str]:
+    """The paths dvc.yaml names once in its vars, for commands that default to the pipeline's outputs."""
+    data = yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))
+    return next(v["paths"] for v in data["vars"] if isinstance(v, dict) and "paths" in v)
+
+
 def parse_params(text: str, name: str) -> Params:
     try:
         data = yaml.safe_load(text)
@@ -184,6 +191,12 @@ def load_preset(name: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of dotted keys to values")
     return data
+
+
+def table3_rows() -> dict[str, dict[str, Any]]:
+    """Row name -> overrides (the common ones included) of the paper's Table 3 experiments."""
+    data = yaml.safe_load(TABLE3_FILE.read_text(encoding="utf-8"))
+    return {name: {**data["common"], **row} for name, row in data["rows"].items()}
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -66,8 +66,8 @@ def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 class Tracker:
     """Logs into one MLflow run; a no-op where MLflow is not installed."""
 
-    def __init__(self, client: Any, run_id: str | None) -> None:
-        self.client, self.run_id = client, run_id
+    def __init__(self, client: Any, run_id: str | None, experiment_id: str | None = None) -> None:
+        self.client, self.run_id, self.experiment_id = client, run_id, experiment_id
 
     def log_metrics(self, metrics: dict[str, Any], step: int = 0) -> None:
         if self.run_id is None:
@@ -148,7 +148,22 @@ def _terminated_on_exit(client: Any, run_id: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def stage_run(stage: str, experiment: str, params: dict[str, Any], tags: dict[str, str]) -> Iterator[Tracker]:
+def _system_metrics(run_id: str) -> Iterator[None]:
+    """CPU, memory, disk, network (and GPU, where pynvml is installed) every 10 s, as MLflow's
+    system/* metrics of the run."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=10, tracking_uri=tracking_uri())
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, experiment: str, params: dict[str, Any], tags: dict[str, str],
+              system_metrics: bool = False) -> Iterator[Tracker]:
     """An MLflow run for one stage, nested under the pipeline's parent run when there is one."""
     found = _client_and_experiment(experiment)
     if found is None:
@@ -159,8 +174,9 @@ def stage_run(stage: str, experiment: str, params: dict[str, Any], tags: dict[st
     if parent := os.environ.get(PARENT_ENV):
         all_tags["mlflow.parentRunId"] = parent
     run = client.create_run(experiment_id, run_name=stage, tags=all_tags)
-    tracker = Tracker(client, run.info.run_id)
-    with _terminated_on_exit(client, run.info.run_id):
+    tracker = Tracker(client, run.info.run_id, experiment_id)
+    monitor = _system_metrics(run.info.run_id) if system_metrics else contextlib.nullcontext()
+    with _terminated_on_exit(client, run.info.run_id), monitor:
         tracker.log_params(params)
         yield tracker
 
@@ -175,7 +191,7 @@ def pipeline_run(experiment: str, params: dict[str, Any], tags: dict[str, str]) 
     client, experiment_id = found
     run = client.create_run(experiment_id, run_name="pipeline", tags={"git_commit": git_commit(), **tags})
     run_id = run.info.run_id
-    tracker = Tracker(client, run_id)
+    tracker = Tracker(client, run_id, experiment_id)
     os.environ[PARENT_ENV] = run_id
     try:
         with _terminated_on_exit(client, run_id):
@@ -191,3 +207,46 @@ def fail_orphans(client: Any, experiment_id: str, parent_run_id: str) -> None:
     for child in client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}' "
                                                      "and attributes.status = 'RUNNING'"):
         client.set_terminated(child.info.run_id, "FAILED")
+
+
+def run_url(tracker: Tracker) -> str | None:
+    """Where the MLflow UI (`mlflow ui`, 127.0.0.1:5000 unless MLFLOW_UI_URL says otherwise) shows this run."""
+    if tracker.run_id is None:
+        return None
+    ui = os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
+    return f"{ui}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
+
+
+def register_model(parent: Tracker, params: Any, test_bleu: float) -> str | None:
+    """Log the averaged model as a pyfunc that translates (pipeline/serving.py) into the pipeline's
+    run, register it as `transformer-<src>-<tgt>`, and point that model's alias `best` at the
+    version with the highest test BLEU. Returns the new version, or None when not tracked."""
+    if parent.run_id is None:
+        return None
+    import dataclasses
+
+    import mlflow
+    import torch
+    from mlflow.models import infer_signature
+
+    from pipeline.config import dvc_paths
+
+    paths = dvc_paths()
+    name = experiment_name(params.download.src_lang, params.download.tgt_lang)
+    mlflow.set_tracking_uri(tracking_uri())
+    with mlflow.start_run(run_id=parent.run_id):
+        info = mlflow.pyfunc.log_model(
+            name="translator", python_model=str(ROOT / "pipeline/serving.py"),
+            artifacts={"model": str(ROOT / paths["model"]), "vocab": str(ROOT / paths["vocab"])},
+            code_paths=[str(ROOT / "stages"), str(ROOT / "transformer")],
+            model_config=dataclasses.asdict(params.decode), registered_model_name=name,
+            signature=infer_signature(["Hello world."], ["Hallo Welt."]),
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "sentencepiece", "safetensors", "numpy",
+                              "tqdm", "accelerate"])
+    version = str(info.registered_model_version)
+    client = parent.client
+    client.set_model_version_tag(name, version, "test_bleu", f"{test_bleu:.4f}")
+    best = max(client.search_model_versions(f"name = '{name}'"),
+               key=lambda v: float(v.tags.get("test_bleu", "-inf")))
+    client.set_registered_model_alias(name, "best", best.version)
+    return version

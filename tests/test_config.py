@@ -113,3 +113,20 @@ def test_overrides_keep_comments_and_refuse_unknown_keys(tmp_path):
 def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(ConfigError, match=r"no preset 'huge' \(known: .*big"):
         load_preset("huge")
+
+
+def test_table3_rows_are_valid_experiments_of_the_papers_shapes(tmp_path):
+    from pipeline.cli import dvc_set_args
+
+    rows = config.table3_rows()
+    assert {n[0] for n in rows} == set("ABCDE") and len(rows) == 18
+    path = tmp_path / "params.yaml"
+    for name, overrides in rows.items():
+        path.write_text(BASE, encoding="utf-8")
+        p = apply_overrides(overrides, path)
+        assert p.average.last == 1, name  # the paper scored Table 3 without checkpoint averaging
+        d_k, d_v = p.model.head_dims
+        if name.startswith("A"):  # attention heads vary with the computation kept constant
+            assert p.model.n_heads * d_k == p.model.n_heads * d_v == 512
+    assert dvc_set_args(rows["E-learned"]) == ["-S", "average.last=1", "-S", "model.positions=learned"]
+    assert dvc_set_args({"train.adam_betas": [0.9, 0.98]}) == ["-S", "train.adam_betas=[0.9, 0.98]"]

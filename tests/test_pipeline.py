@@ -1,5 +1,6 @@
-"""The whole pipeline in a copy of the repository: the Prefect flow over dvc.yaml, MLflow's records,
-and DVC's caching (a second run does nothing; a decode parameter reruns decode and score only)."""
+"""The whole pipeline in a copy of the repository: the Prefect flow over dvc.yaml, MLflow's records
+and registered model, DVC's caching and experiments (a second run does nothing; `dvc exp run -S` of
+a decode parameter reruns decode and score only), and the report."""
 import os
 import re
 import shutil
@@ -12,7 +13,7 @@ import pytest
 from pipeline import cli, flow
 ROOT = Path(__file__).resolve().parents[1]
 
-STAGES = ["download", "clean", "vocab", "encode", "train", "average", "decode", "score"]
+STAGES = ["download", "clean", "vocab", "encode", "train", "average", "decode", "score", "export"]
 SMALL = ["-S", "train.max_steps=30", "-S", "train.checkpoint_every_steps=10", "-S", "train.log_every=10",
          "-S", "train.validate_every=10", "-S", "decode.max_length_extra=5", "-S", "average.last=2"]
 
@@ -27,6 +28,10 @@ def test_the_command_line_has_every_stage_of_dvc_yaml():
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
+    return _copy_project(tmp_path_factory)
+
+
+def _copy_project(tmp_path_factory) -> Path:
     """A fresh copy of the project's files (as a clone would have them) in a git repository of its own."""
     root = tmp_path_factory.mktemp("clone") / "project"
     files = subprocess.run(["git", "ls-files", "--cached"], cwd=ROOT,
@@ -89,6 +94,22 @@ def test_mlflow_holds_a_parent_run_with_a_nested_run_per_stage(flow_output, repo
     artifacts = [a.path for a in client.list_artifacts(by_stage["vocab"].info.run_id, "vocab")]
     assert "vocab/spm.model" in artifacts  # the vocabulary, logged beside the store in the tree
     assert (repo / "mlartifacts").is_dir() and not (repo / "mlruns").exists()
+    assert any(k.startswith("system/cpu_utilization") for k in by_stage["train"].data.metrics)
+
+
+@pytest.mark.slow
+def test_the_model_is_registered_as_a_translator_with_the_best_alias(flow_output, repo):
+    import mlflow
+
+    uri = f"sqlite:///{repo / 'mlflow.db'}"
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    version = client.get_model_version_by_alias("transformer-en-de", "best")
+    assert float(version.tags["test_bleu"]) >= 0
+    mlflow.set_tracking_uri(uri)
+    lines = (repo / "data/clean/test.en").read_text(encoding="utf-8").splitlines()[:3]
+    translated = mlflow.pyfunc.load_model("models:/transformer-en-de@best").predict(lines)
+    expected = (repo / "data/hyps/test.de").read_text(encoding="utf-8").splitlines()[:3]
+    assert translated == expected  # the logged model decodes as the decode stage did
 
 
 @pytest.mark.slow
@@ -96,9 +117,19 @@ def test_dvc_reruns_only_what_changed(flow_output, repo):
     dvc = [sys.executable, "-m", "dvc"]
     again = _run(repo, *dvc, "repro")
     assert "Running stage" not in again and "Data and pipelines are up to date" in again
-    _run(repo, sys.executable, "-m", "pipeline", "preset", "-S", "decode.beam_size=2")
-    changed = _run(repo, *dvc, "repro")
+    changed = _run(repo, *dvc, "exp", "run", "-S", "decode.beam_size=2")
     assert re.findall(r"Running stage '(\w+)'", changed) == ["decode", "score"]
+    shown = _run(repo, *dvc, "exp", "show", "--md")
+    assert "test.bleu_tok" in shown and "train_flops" in shown  # all three BLEU variants and the cost
+
+
+@pytest.mark.slow
+def test_report_compares_the_runs_with_the_paper(flow_output, repo):
+    _run(repo, sys.executable, "-m", "pipeline", "report", "--out", "reports")
+    text = (repo / "reports/report.md").read_text(encoding="utf-8")
+    assert "paper: Transformer base" in text and "en-de quickstart" in text
+    for image in ("bleu.png", "cost.png", "loss.png"):
+        assert (repo / "reports" / image).read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.slow
@@ -115,3 +146,93 @@ def test_a_failed_stage_is_recorded_as_failed_and_keeps_earlier_outputs(flow_out
     decode_runs = client.search_runs([experiment.experiment_id], "tags.stage = 'decode'",
                                      order_by=["attributes.start_time DESC"])
     assert decode_runs[0].info.status == "FAILED"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(condition, timeout: float, what: str):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_the_served_deployment_starts_a_run_with_a_preset_and_overrides(tmp_path_factory):
+    """A Prefect server on a free loopback port, the flow served as a deployment, a run started as
+    the UI's Run button starts one: the run carries the parameters and the served tree applies them."""
+    import asyncio
+    import urllib.request
+
+    root = _copy_project(tmp_path_factory)  # a copy of its own: this run changes its params.yaml
+    port = _free_port()
+    env = {**_env(root), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                               "--port", str(port)], cwd=root, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    served = None
+    try:
+        _wait(lambda: _healthy(f"http://127.0.0.1:{port}/api/health", urllib.request), 120, "the Prefect server")
+        served = subprocess.Popen([sys.executable, "-m", "pipeline", "serve"], cwd=root, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.environ["PREFECT_API_URL"] = env["PREFECT_API_URL"]
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelling
+
+        async def start_and_watch():
+            async with get_client() as client:
+                name = f"{flow.pipeline.name}/{flow.DEPLOYMENT}"
+                deployment = await _poll(lambda: client.read_deployment_by_name(name), 60)
+                run = await client.create_flow_run_from_deployment(
+                    deployment.id, parameters={"presets": ["quickstart"], "overrides": {"train.max_steps": 7}})
+                running = await _poll(lambda: _in_state(client, run.id, ("RUNNING", "COMPLETED")), 90)
+                await client.set_flow_run_state(run.id, Cancelling(), force=True)
+                return running
+
+        running = asyncio.run(start_and_watch())
+        assert running.parameters == {"presets": ["quickstart"], "overrides": {"train.max_steps": 7}}
+        text = _wait(lambda: "max_steps: 7" in (p := (root / "params.yaml").read_text()) and p, 30, "params.yaml")
+        assert "d_model: 128" in text  # the quickstart preset, then the override, applied in the served tree
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+        for proc in (served, server):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+
+
+def _healthy(url: str, request) -> bool:
+    try:
+        return request.urlopen(url, timeout=2).status == 200
+    except OSError:
+        return False
+
+
+async def _poll(fetch, timeout: float):
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if result := await fetch():
+                return result
+        except Exception:  # noqa: BLE001 - not there yet (e.g. ObjectNotFound while serve registers)
+            pass
+        await asyncio.sleep(1)
+    raise AssertionError("timed out waiting on the Prefect server")
+
+
+async def _in_state(client, run_id, states):
+    run = await client.read_flow_run(run_id)
+    return run if run.state_type.value in states else None

@@ -73,7 +73,7 @@ def beam_search(
     for t in range(int(max_lengths.max())):
         lprobs = decoder.step(tokens).view(B, K, -1)
         vocab = lprobs.size(-1)
-        at_limit = torch.tensor([t + 1 >= n for n in limits], device=device)
+        at_limit = max_lengths.le(t + 1)
         if at_limit.any():
             eos_only = torch.full_like(lprobs[0, 0], float("-inf"))
             eos_only[eos] = 0.0
@@ -84,16 +84,11 @@ def beam_search(
         ended = top_token.eq(eos)
 
         # Hypotheses that end among a sentence's best K candidates are finished.
-        ended_cpu, scores_cpu, beams_cpu = ended[:, :K].tolist(), top_scores.tolist(), top_beam.tolist()
-        prefixes = tokens[:, 1:].tolist()
-        for b in range(B):
-            if done[b]:
-                continue
-            for j in range(K):
-                if ended_cpu[b][j] and scores_cpu[b][j] > float("-inf"):
-                    log_prob = scores_cpu[b][j]
-                    score = log_prob / penalty(t + 1, alpha)
-                    finished[b].append(Hypothesis(prefixes[b * K + beams_cpu[b][j]], score, log_prob))
+        for b, j in ended[:, :K].nonzero().tolist():  # few per step: only these go to Python
+            log_prob = float(top_scores[b, j])
+            if not done[b] and log_prob > float("-inf"):
+                prefix = tokens[b * K + int(top_beam[b, j]), 1:].tolist()
+                finished[b].append(Hypothesis(prefix, log_prob / penalty(t + 1, alpha), log_prob))
 
         # The best K candidates that did not end live on; ended ones sort last.
         rank = torch.arange(2 * K, device=device).expand(B, -1) + ended.long() * 2 * K

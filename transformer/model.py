@@ -105,11 +105,17 @@ class IncrementalDecoder:
         return torch.log_softmax(logits.float(), dim=-1)
 
     def reorder(self, order: Tensor) -> None:
-        """Keep the rows `order` (N,) of every per-hypothesis state, as beam search chose them."""
-        self.memory = self.memory.index_select(0, order)
-        self.src_pad = self.src_pad.index_select(0, order)
-        if self.cache is not None:
-            for key, (k, v) in self.cache.items():
+        """Keep the rows `order` (N,) of every per-hypothesis state, as beam search chose them.
+
+        Beam search reorders hypotheses only within each sentence's beams, and every beam of a
+        sentence shares its encoder output and cross-attention keys and values: those stay as they
+        are; only the self-attention cache (and the uncached path's memory, for simplicity) moves."""
+        if self.cache is None:
+            self.memory = self.memory.index_select(0, order)
+            self.src_pad = self.src_pad.index_select(0, order)
+            return
+        for key, (k, v) in self.cache.items():
+            if not key.endswith(".cross"):
                 self.cache[key] = (k.index_select(0, order), v.index_select(0, order))
 
 

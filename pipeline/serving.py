@@ -1,0 +1,36 @@
+"""The averaged model as an MLflow pyfunc that translates, logged from this file ("models from code",
+so loading it unpickles nothing):
+
+    mlflow.pyfunc.load_model("models:/transformer-en-de@best").predict(["Resumption of the session."])
+
+Decoding parameters are the pipeline's decode section at logging time (the model's config).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import mlflow
+from mlflow.pyfunc import PythonModel
+
+
+class Translator(PythonModel):
+    def load_context(self, context: Any) -> None:
+        import torch
+
+        from stages import vocab
+        from stages.decode import DecodeParams, load_translator
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_translator(context.artifacts["model"], device)
+        self.sp = vocab.load(context.artifacts["vocab"])
+        self.params = DecodeParams(**context.model_config)
+
+    def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> list[str]:
+        """model_input: a list of sentences (or a one-column DataFrame of them)."""
+        from stages.decode import translate
+
+        lines = list(model_input) if isinstance(model_input, list) else model_input.iloc[:, 0].tolist()
+        return translate(self.model, self.sp, [str(line) for line in lines], self.params, desc="translate")
+
+
+mlflow.models.set_model(Translator())
