@@ -3,12 +3,18 @@ MarianMT `generate` and in CTranslate2, in one run.
 
     python -m bench.decode                                   # the pipeline's model on newstest2014
     python -m bench.decode --model M --vocab-dir V --source S --limit 500
+    python -m bench.decode --random-base --limit 100         # no trained model at hand: see below
 
 The model is exported with the export stage (so all three hold identical weights), then each system
 translates the same source lines with beam 4 on the same device, batched by length, sentences of
 similar length together. Each system's own length limit is the source length + 50 where it has one
 (ours; CTranslate2 and transformers take one limit per batch). The figure is target tokens produced
 (sentencepiece pieces, EOS excluded) per second, with the ratio of ours to each peer.
+
+--random-base measures at the paper's base size without a trained model: Transformer base with
+seeded random weights over a 8000-piece BPE vocabulary learned on the spot from the shared WMT14
+training samples. Such a model rarely ends a sentence, so every system decodes to its length limit:
+the same work per token as a trained model, on longer outputs.
 """
 from __future__ import annotations
 
@@ -21,7 +27,9 @@ from pathlib import Path
 import torch
 
 from stages import export, vocab
+from stages.average import save_model
 from stages.decode import DecodeParams, load_translator, translate
+from transformer import Transformer, TransformerConfig
 
 SHARED = Path(os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 NEWSTEST = SHARED / "wmt14/newstest2014-full/newstest2014-deen-src.en.txt"
@@ -39,6 +47,28 @@ def length_batches(lines: list[list[int]], batch_tokens: int) -> list[list[int]]
     return batches + [current] if current else batches
 
 
+def random_base(tmp: Path) -> tuple[Path, Path]:
+    """A base-size model with random weights and a vocabulary learned from the shared samples."""
+    import dataclasses
+
+    import sentencepiece as spm
+
+    text = tmp / "train.txt"
+    stem = SHARED / "wmt14/train-sample/hf-europarl-20k/train"
+    text.write_text("".join(Path(f"{stem}.{lang}").read_text(encoding="utf-8") for lang in ("en", "de")),
+                    encoding="utf-8")
+    (tmp / "vocab").mkdir()
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp / "vocab/spm"), vocab_size=8000,
+                                   model_type="bpe", pad_id=vocab.PAD_ID, unk_id=vocab.UNK_ID, bos_id=vocab.BOS_ID,
+                                   eos_id=vocab.EOS_ID, minloglevel=2)
+    torch.manual_seed(0)
+    config = TransformerConfig(512, 8, 2048, 6, 6, 0.1, 0.0, "post", "sinusoidal", 1024)
+    model = Transformer(config, 8000, vocab.PAD_ID)
+    save_model(tmp / "model.safetensors", model.state_dict(),
+               {"model_config": dataclasses.asdict(config), "vocab_size": 8000})
+    return tmp / "model.safetensors", tmp / "vocab"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=Path("models/averaged.safetensors"))
@@ -47,8 +77,15 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help="first N lines only (0: all)")
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--batch-tokens", type=int, default=8000)
+    ap.add_argument("--random-base", action="store_true", help="a base-size model with random weights")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.random_base:
+            args.model, args.vocab_dir = random_base(Path(tmp))
+        measure(args)
 
+
+def measure(args: argparse.Namespace) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lines = args.source.read_text(encoding="utf-8").splitlines()[: args.limit or None]
     sp = vocab.load(args.vocab_dir)

@@ -185,26 +185,27 @@ def test_the_served_deployment_starts_a_run_with_a_preset_and_overrides(tmp_path
         _wait(lambda: _healthy(f"http://127.0.0.1:{port}/api/health", urllib.request), 120, "the Prefect server")
         served = subprocess.Popen([sys.executable, "-m", "pipeline", "serve"], cwd=root, env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        os.environ["PREFECT_API_URL"] = env["PREFECT_API_URL"]
         from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
         from prefect.states import Cancelling
 
         async def start_and_watch():
             async with get_client() as client:
                 name = f"{flow.pipeline.name}/{flow.DEPLOYMENT}"
-                deployment = await _poll(lambda: client.read_deployment_by_name(name), 60)
+                deployment = await _poll(lambda: client.read_deployment_by_name(name), 90)
                 run = await client.create_flow_run_from_deployment(
                     deployment.id, parameters={"presets": ["quickstart"], "overrides": {"train.max_steps": 7}})
-                running = await _poll(lambda: _in_state(client, run.id, ("RUNNING", "COMPLETED")), 90)
+                running = await _poll(lambda: _in_state(client, run.id, ("RUNNING", "COMPLETED")), 120)
+                text = _wait(lambda: "max_steps: 7" in (p := (root / "params.yaml").read_text()) and p, 60,
+                             "params.yaml to change")
                 await client.set_flow_run_state(run.id, Cancelling(), force=True)
-                return running
+                return running, text
 
-        running = asyncio.run(start_and_watch())
+        with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
+            running, text = asyncio.run(start_and_watch())
         assert running.parameters == {"presets": ["quickstart"], "overrides": {"train.max_steps": 7}}
-        text = _wait(lambda: "max_steps: 7" in (p := (root / "params.yaml").read_text()) and p, 30, "params.yaml")
         assert "d_model: 128" in text  # the quickstart preset, then the override, applied in the served tree
     finally:
-        os.environ.pop("PREFECT_API_URL", None)
         for proc in (served, server):
             if proc is not None:
                 proc.terminate()
