@@ -179,12 +179,12 @@ def test_the_served_deployment_starts_a_run_with_a_preset_and_overrides(tmp_path
     env = {**_env(root), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                                "--port", str(port)], cwd=root, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+                              stderr=subprocess.DEVNULL, start_new_session=True)
     served = None
     try:
         _wait(lambda: _healthy(f"http://127.0.0.1:{port}/api/health", urllib.request), 120, "the Prefect server")
         served = subprocess.Popen([sys.executable, "-m", "pipeline", "serve"], cwd=root, env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         from prefect.client.orchestration import get_client
         from prefect.settings import PREFECT_API_URL, temporary_settings
         from prefect.states import Cancelling
@@ -206,9 +206,11 @@ def test_the_served_deployment_starts_a_run_with_a_preset_and_overrides(tmp_path
         assert running.parameters == {"presets": ["quickstart"], "overrides": {"train.max_steps": 7}}
         assert "d_model: 128" in text  # the quickstart preset, then the override, applied in the served tree
     finally:
-        for proc in (served, server):
+        import signal
+
+        for proc in (served, server):  # each with whatever it started (the run, its dvc and stage processes)
             if proc is not None:
-                proc.terminate()
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
 
 
