@@ -111,7 +111,7 @@ class ScriptedDecoder:
         dead = torch.full_like(self.rows[BOS], float("-inf")).index_fill_(0, torch.tensor([EOS]), 0.0)
         return torch.stack([self.rows.get(int(t), dead) for t in tokens[:, -1]])
 
-    def reorder(self, order):
+    def reorder(self, order, sentences_dropped):
         pass
 
 

@@ -17,8 +17,9 @@ class StepDecoder(Protocol):
     def step(self, tokens: Tensor) -> Tensor:
         """tokens (N, t), each live prefix starting with BOS -> next-token log-probs (N, vocab)."""
 
-    def reorder(self, order: Tensor) -> None:
-        """Row i of every per-hypothesis state becomes old row order[i]."""
+    def reorder(self, order: Tensor, sentences_dropped: bool) -> None:
+        """Row i of every per-hypothesis state becomes old row order[i]. Rows move only among a
+        sentence's beams, unless sentences_dropped: then whole sentences' rows are gone too."""
 
 
 @dataclass(frozen=True)
@@ -58,19 +59,21 @@ def beam_search(
     candidates of its step. Scores rank live hypotheses by their summed log-probability and finished
     ones by that sum over the length penalty. A sentence stops once its `beam_size` best finished
     hypotheses cannot be beaten by any live one (see `_settled`), so the search returns what an
-    unbounded one would among the hypotheses it kept. `formula` names the length penalty
+    unbounded one would among the hypotheses it kept; its rows then leave the batch, so the steps
+    that remain compute only for sentences still searching. `formula` names the length penalty
     (LENGTH_PENALTIES): the paper's GNMT one, or |Y|^alpha.
     """
     penalty = LENGTH_PENALTIES[formula]
-    B, K = batch_size, beam_size
+    K = beam_size
     device = max_lengths.device
-    tokens = torch.full((B * K, 1), bos, dtype=torch.long, device=device)
-    scores = torch.zeros(B, K, device=device)
+    active = list(range(batch_size))  # the batch's sentences still searching, in row order
+    tokens = torch.full((batch_size * K, 1), bos, dtype=torch.long, device=device)
+    scores = torch.zeros(batch_size, K, device=device)
     scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
-    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    done = [False] * B
+    finished: list[list[Hypothesis]] = [[] for _ in range(batch_size)]
     limits = max_lengths.tolist()
     for t in range(int(max_lengths.max())):
+        B = len(active)
         lprobs = decoder.step(tokens).view(B, K, -1)
         vocab = lprobs.size(-1)
         at_limit = max_lengths.le(t + 1)
@@ -84,25 +87,30 @@ def beam_search(
         ended = top_token.eq(eos)
 
         # Hypotheses that end among a sentence's best K candidates are finished.
-        for b, j in ended[:, :K].nonzero().tolist():  # few per step: only these go to Python
-            log_prob = float(top_scores[b, j])
-            if not done[b] and log_prob > float("-inf"):
-                prefix = tokens[b * K + int(top_beam[b, j]), 1:].tolist()
-                finished[b].append(Hypothesis(prefix, log_prob / penalty(t + 1, alpha), log_prob))
+        for row, j in ended[:, :K].nonzero().tolist():  # few per step: only these go to Python
+            log_prob = float(top_scores[row, j])
+            if log_prob > float("-inf"):
+                prefix = tokens[row * K + int(top_beam[row, j]), 1:].tolist()
+                finished[active[row]].append(Hypothesis(prefix, log_prob / penalty(t + 1, alpha), log_prob))
 
         # The best K candidates that did not end live on; ended ones sort last.
         rank = torch.arange(2 * K, device=device).expand(B, -1) + ended.long() * 2 * K
         keep = rank.topk(K, dim=1, largest=False).indices
         scores = top_scores.gather(1, keep)
         best_alive = scores[:, 0].tolist()
-        for b in range(B):
-            if not done[b]:
-                done[b] = t + 1 >= limits[b] or _settled(finished[b], K, best_alive[b], penalty(limits[b], alpha))
-        if all(done):
+        searching = [row for row, b in enumerate(active) if not (
+            t + 1 >= limits[b] or _settled(finished[b], K, best_alive[row], penalty(limits[b], alpha)))]
+        if not searching:
             break
         order = (torch.arange(B, device=device)[:, None] * K + top_beam.gather(1, keep)).view(-1)
         tokens = torch.cat([tokens.index_select(0, order), top_token.gather(1, keep).view(-1, 1)], dim=1)
-        decoder.reorder(order)
+        if len(searching) < B:  # drop the settled sentences' rows from every state
+            rows = torch.tensor(searching, device=device)
+            beam_rows = (rows[:, None] * K + torch.arange(K, device=device)).view(-1)
+            order, tokens, scores = order[beam_rows], tokens[beam_rows], scores[rows]
+            max_lengths = max_lengths[rows]
+            active = [active[row] for row in searching]
+        decoder.reorder(order, sentences_dropped=len(searching) < B)
     return [sorted(f, key=lambda h: h.score, reverse=True) for f in finished]
 
 

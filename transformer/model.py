@@ -104,19 +104,19 @@ class IncrementalDecoder:
             logits = self.model.decode(tokens[:, -1:], self.memory, self.src_pad, self.cache, offset=t - 1)[:, 0]
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def reorder(self, order: Tensor) -> None:
+    def reorder(self, order: Tensor, sentences_dropped: bool = False) -> None:
         """Keep the rows `order` (N,) of every per-hypothesis state, as beam search chose them.
 
-        Beam search reorders hypotheses only within each sentence's beams, and every beam of a
-        sentence shares its encoder output and cross-attention keys and values: those stay as they
-        are; only the self-attention cache (and the uncached path's memory, for simplicity) moves."""
-        if self.cache is None:
+        Every beam of a sentence shares its encoder output and cross-attention keys and values, so
+        while rows only move among a sentence's beams those stay as they are; only the
+        self-attention cache moves. When finished sentences leave the batch, everything shrinks."""
+        if self.cache is None or sentences_dropped:
             self.memory = self.memory.index_select(0, order)
             self.src_pad = self.src_pad.index_select(0, order)
-            return
-        for key, (k, v) in self.cache.items():
-            if not key.endswith(".cross"):
-                self.cache[key] = (k.index_select(0, order), v.index_select(0, order))
+        if self.cache is not None:
+            for key, (k, v) in self.cache.items():
+                if sentences_dropped or not key.endswith(".cross"):
+                    self.cache[key] = (k.index_select(0, order), v.index_select(0, order))
 
 
 def training_flops(config: TransformerConfig, vocab_size: int, src_lengths: Tensor, tgt_lengths: Tensor) -> float:
