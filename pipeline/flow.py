@@ -13,6 +13,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline by default; before Prefect loads
+# The temporary server a run starts without PREFECT_API_URL creates its database first: on a slow or
+# busy machine that takes longer than Prefect's default 20 s.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 import re
 import subprocess
