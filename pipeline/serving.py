@@ -3,10 +3,12 @@ so loading it unpickles nothing):
 
     mlflow.pyfunc.load_model("models:/transformer-en-de@best").predict(["Resumption of the session."])
 
-Decoding parameters are the pipeline's decode section at logging time (the model's config).
+Decoding parameters are the pipeline's decode section at logging time (the `decode` artifact).
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -23,7 +25,7 @@ class Translator(PythonModel):
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_translator(context.artifacts["model"], device)
         self.sp = vocab.load(context.artifacts["vocab"])
-        self.params = DecodeParams(**context.model_config)
+        self.params = DecodeParams(**json.loads(Path(context.artifacts["decode"]).read_text(encoding="utf-8")))
 
     def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> list[str]:
         """model_input: a list of sentences (or a one-column DataFrame of them)."""

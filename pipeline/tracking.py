@@ -224,6 +224,7 @@ def register_model(parent: Tracker, params: Any, test_bleu: float) -> str | None
     if parent.run_id is None:
         return None
     import dataclasses
+    import tempfile
 
     import mlflow
     import torch
@@ -234,12 +235,15 @@ def register_model(parent: Tracker, params: Any, test_bleu: float) -> str | None
     paths = dvc_paths()
     name = experiment_name(params.download.src_lang, params.download.tgt_lang)
     mlflow.set_tracking_uri(tracking_uri())
-    with mlflow.start_run(run_id=parent.run_id):
+    with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_id=parent.run_id):
+        # decoding parameters as a file the model carries (a model_config would also become unprefixed run params)
+        decode_file = Path(tmp) / "decode.json"
+        decode_file.write_text(json.dumps(dataclasses.asdict(params.decode)), encoding="utf-8")
         info = mlflow.pyfunc.log_model(
             name="translator", python_model=str(ROOT / "pipeline/serving.py"),
-            artifacts={"model": str(ROOT / paths["model"]), "vocab": str(ROOT / paths["vocab"])},
-            code_paths=[str(ROOT / "stages"), str(ROOT / "transformer")],
-            model_config=dataclasses.asdict(params.decode), registered_model_name=name,
+            artifacts={"model": str(ROOT / paths["model"]), "vocab": str(ROOT / paths["vocab"]),
+                       "decode": str(decode_file)},
+            code_paths=[str(ROOT / "stages"), str(ROOT / "transformer")], registered_model_name=name,
             signature=infer_signature(["Hello world."], ["Hallo Welt."]),
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "sentencepiece", "safetensors", "numpy",
                               "tqdm", "accelerate"])

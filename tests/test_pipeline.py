@@ -95,6 +95,7 @@ def test_mlflow_holds_a_parent_run_with_a_nested_run_per_stage(flow_output, repo
     assert "vocab/spm.model" in artifacts  # the vocabulary, logged beside the store in the tree
     assert (repo / "mlartifacts").is_dir() and not (repo / "mlruns").exists()
     assert any(k.startswith("system/cpu_utilization") for k in by_stage["train"].data.metrics)
+    assert all("." in key for key in parent.data.params)  # every parameter under its stage's prefix
 
 
 @pytest.mark.slow
