@@ -13,6 +13,7 @@ in alternation, and the figure is target tokens (padding excluded) per second.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from stages import export
 from stages.batching import token_batches
 from stages.vocab import BOS_ID, EOS_ID, PAD_ID
 from transformer import Transformer, TransformerConfig, label_smoothed_nll_loss
@@ -62,16 +64,9 @@ def ours(config: TransformerConfig, vocab_size: int):
 
 
 def marian(config: TransformerConfig, vocab_size: int):
-    from transformers import MarianConfig, MarianMTModel
+    from transformers import MarianMTModel
 
-    c = config
-    model = MarianMTModel(MarianConfig(
-        vocab_size=vocab_size, decoder_vocab_size=vocab_size, d_model=c.d_model, encoder_layers=c.encoder_layers,
-        decoder_layers=c.decoder_layers, encoder_attention_heads=c.n_heads, decoder_attention_heads=c.n_heads,
-        encoder_ffn_dim=c.d_ff, decoder_ffn_dim=c.d_ff, activation_function="relu", dropout=c.dropout,
-        attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=c.max_positions,
-        scale_embedding=True, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
-        pad_token_id=PAD_ID, eos_token_id=EOS_ID, decoder_start_token_id=BOS_ID))
+    model = MarianMTModel(export.marian_config(dataclasses.asdict(config), vocab_size))
 
     def loss(src, tgt_in, tgt_out):
         logits = model(input_ids=src, attention_mask=src.ne(PAD_ID), decoder_input_ids=tgt_in,

@@ -52,15 +52,12 @@ def _check_expressible(config: dict) -> None:
         raise PipelineError("this model cannot be written as MarianMT: " + "; ".join(problems))
 
 
-def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write a MarianMT directory (config, safetensors weights, tokenizer files, generation defaults)."""
-    from transformers import GenerationConfig, MarianConfig, MarianMTModel
+def marian_config(c: dict, vocab_size: int):
+    """Our architecture (TransformerConfig as a dict) as a transformers MarianConfig."""
+    from transformers import MarianConfig
 
-    weights, meta = load_model(model_path)
-    c = meta["model_config"]
-    _check_expressible(c)
-    config = MarianConfig(
-        vocab_size=meta["vocab_size"], decoder_vocab_size=meta["vocab_size"], d_model=c["d_model"],
+    return MarianConfig(
+        vocab_size=vocab_size, decoder_vocab_size=vocab_size, d_model=c["d_model"],
         encoder_layers=c["encoder_layers"], decoder_layers=c["decoder_layers"],
         encoder_attention_heads=c["n_heads"], decoder_attention_heads=c["n_heads"],
         encoder_ffn_dim=c["d_ff"], decoder_ffn_dim=c["d_ff"], activation_function="relu",
@@ -69,6 +66,16 @@ def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path
         tie_word_embeddings=True, pad_token_id=vocab.PAD_ID, bos_token_id=vocab.BOS_ID, eos_token_id=vocab.EOS_ID,
         decoder_start_token_id=vocab.BOS_ID, forced_eos_token_id=vocab.EOS_ID,
     )
+
+
+def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write a MarianMT directory (config, safetensors weights, tokenizer files, generation defaults)."""
+    from transformers import GenerationConfig, MarianMTModel
+
+    weights, meta = load_model(model_path)
+    c = meta["model_config"]
+    _check_expressible(c)
+    config = marian_config(c, meta["vocab_size"])
     model = MarianMTModel(config)
     missing, unexpected = model.load_state_dict(
         marian_state_dict(weights, c["encoder_layers"], c["decoder_layers"]), strict=False)
