@@ -1,6 +1,6 @@
 """Padding and batch fill of the token-budget sampler against random batching, on the same real data.
 
-    python bench/batching.py [--budgets 3125 2000 1000] [--vocab 8000]
+    python -m bench.batching [--budgets 3125 2000 1000] [--vocab 8000]
 
 Encodes the shared WMT14 training samples (Europarl and News Commentary, 40k pairs) with a sentencepiece BPE model learned on the spot, then
 builds batches both ways under the same budget (padded tokens per side per batch) and prints, for

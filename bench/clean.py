@@ -1,6 +1,6 @@
 """Cleaning throughput on real WMT14 text: pairs per second on one core and on all cores.
 
-    python bench/clean.py
+    python -m bench.clean
 
 Runs the clean stage (Moses punctuation normalisation, non-printing character removal, NFC,
 length and ratio filters, duplicate removal) over the shared training samples (Europarl and News

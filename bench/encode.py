@@ -1,6 +1,6 @@
 """Encoding throughput: the encode stage against sentencepiece's own encode of the same lines.
 
-    python bench/encode.py
+    python -m bench.encode
 
 Learns a 8000-piece BPE model on the shared WMT14 training samples (40k pairs), then encodes their
 English side four ways in one run: sentencepiece line by line (one core), sentencepiece's batch

@@ -1,8 +1,8 @@
 """Training throughput: our Transformer against the same architecture built from Hugging Face
 transformers' MarianMT, on the same batches, in the same precision, in one run.
 
-    python bench/train.py                      # CPU: base model, 3000-token batches
-    python bench/train.py --batch-tokens 25000 --precision bf16   # a GPU: the paper's step
+    python -m bench.train                      # CPU: base model, 3000-token batches
+    python -m bench.train --batch-tokens 25000 --precision bf16   # a GPU: the paper's step
 
 Both sides run one optimizer step exactly as a training loop does: forward, label-smoothed (0.1)
 cross-entropy summed over target tokens, backward, Adam. Batch shapes come from the pipeline's own
