@@ -67,6 +67,28 @@ def test_cached_decoding_equals_full_decoding():
     torch.testing.assert_close(torch.stack(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_the_cache_has_a_place_per_layer_and_reorders_without_names():
+    model = tiny_model()
+    src = torch.randint(4, 23, (3, 5))
+    decoder = IncrementalDecoder(model, src, beam_size=2)  # 6 rows: two beams per sentence
+    with torch.no_grad():
+        decoder.step(torch.full((6, 1), BOS))
+        decoder.step(torch.cat([torch.full((6, 1), BOS), torch.randint(4, 23, (6, 1))], dim=1))
+    layers = decoder.cache.layers
+    assert len(layers) == len(model.decoder) == 2
+    assert layers[0].self_attn.k.shape == (6, 4, 2, 8) and layers[0].cross_attn.k.shape == (6, 4, 5, 8)
+    before = [(layer.self_attn.k, layer.cross_attn.k) for layer in layers]
+    swap = torch.tensor([1, 0, 3, 2, 5, 4])  # beams trade places within each sentence
+    decoder.reorder(swap)
+    for layer, (self_k, cross_k) in zip(layers, before):  # a sentence's beams share its source: left alone
+        assert torch.equal(layer.self_attn.k, self_k[swap]) and layer.cross_attn.k is cross_k
+    keep = torch.tensor([2, 3])  # only the second sentence is still searching
+    decoder.reorder(keep, sentences_dropped=True)
+    for layer, (self_k, cross_k) in zip(layers, before):
+        assert torch.equal(layer.self_attn.k, self_k[swap][keep]) and torch.equal(layer.cross_attn.k, cross_k[keep])
+    assert decoder.memory.shape[0] == 2
+
+
 def _search(model, src, beam, use_cache=True, alpha=0.6):
     with torch.no_grad():
         decoder = IncrementalDecoder(model, src, beam, use_cache=use_cache)
@@ -228,3 +250,25 @@ def test_search_does_not_stop_before_a_better_hypothesis_can_finish():
         best = beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, alpha)[0][0]
         assert best.tokens == [4, 6]
         assert best.log_prob == pytest.approx(math.log(0.5 * 0.99 * 0.9))
+
+
+def test_a_small_model_memorises_a_copy_task():
+    torch.manual_seed(0)
+    config = TransformerConfig(d_model=64, n_heads=4, d_ff=128, encoder_layers=2, decoder_layers=2, dropout=0.0,
+                               attention_dropout=0.0, norm="post", positions="sinusoidal", max_positions=32)
+    model = Transformer(config, vocab_size=16, pad_id=0)
+    sources = torch.randint(4, 16, (24, 6))
+    src = torch.cat([sources, torch.full((24, 1), 3)], dim=1)  # + EOS
+    tgt_in = torch.cat([torch.full((24, 1), 2), sources], dim=1)  # BOS +
+    optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 0.2 * inverse_sqrt_rate(done + 1, 64, 50))
+    for _ in range(300):
+        loss, _ = label_smoothed_nll_loss(model(src, tgt_in), src, 0.0, 0)
+        optimizer.zero_grad()
+        (loss / src.numel()).backward()
+        optimizer.step()
+        schedule.step()
+    model.eval()
+    with torch.no_grad():
+        hyps = beam_search(IncrementalDecoder(model, src, 2), 24, 2, torch.full((24,), 10), 2, 3, 0.6)
+    assert [h[0].tokens for h in hyps] == sources.tolist()

@@ -2,6 +2,8 @@
 wrapped as LayerNorm(x + Dropout(Sublayer(x))) (post-norm, the paper) or x + Dropout(Sublayer(LayerNorm(x)))."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from torch import Tensor, nn
 
 from transformer.attention import KVCache, MultiHeadAttention
@@ -34,15 +36,23 @@ class Residual(nn.Module):
         return self.norm(x + self.dropout(sublayer(x)))
 
 
-def _attention(c: TransformerConfig, cache_key: str) -> MultiHeadAttention:
-    return MultiHeadAttention(c.d_model, c.n_heads, *c.head_dims, c.attention_dropout, cache_key)
+def _attention(c: TransformerConfig) -> MultiHeadAttention:
+    return MultiHeadAttention(c.d_model, c.n_heads, *c.head_dims, c.attention_dropout)
+
+
+@dataclass
+class LayerCache:
+    """A decoder layer's state while decoding one position at a time."""
+
+    self_attn: KVCache = field(default_factory=KVCache)  # grows by one position each step
+    cross_attn: KVCache = field(default_factory=KVCache)  # the source's, computed at the first step
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, c: TransformerConfig, name: str) -> None:
+    def __init__(self, c: TransformerConfig) -> None:
         super().__init__()
         pre_norm = c.norm == "pre"
-        self.self_attn = _attention(c, f"{name}.self")
+        self.self_attn = _attention(c)
         self.ffn = FeedForward(c.d_model, c.d_ff)
         self.attn_block = Residual(c.d_model, c.dropout, pre_norm)
         self.ffn_block = Residual(c.d_model, c.dropout, pre_norm)
@@ -53,19 +63,20 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: TransformerConfig, name: str) -> None:
+    def __init__(self, c: TransformerConfig) -> None:
         super().__init__()
         pre_norm = c.norm == "pre"
-        self.self_attn = _attention(c, f"{name}.self")
-        self.cross_attn = _attention(c, f"{name}.cross")
+        self.self_attn = _attention(c)
+        self.cross_attn = _attention(c)
         self.ffn = FeedForward(c.d_model, c.d_ff)
         self.self_block = Residual(c.d_model, c.dropout, pre_norm)
         self.cross_block = Residual(c.d_model, c.dropout, pre_norm)
         self.ffn_block = Residual(c.d_model, c.dropout, pre_norm)
 
-    def forward(self, x: Tensor, memory: Tensor, src_pad: Tensor, cache: KVCache | None = None) -> Tensor:
-        x = self.self_block(x, lambda h: self.self_attn(h, h, causal=True, cache=cache))
+    def forward(self, x: Tensor, memory: Tensor, src_pad: Tensor, cache: LayerCache | None = None) -> Tensor:
+        self_cache, cross_cache = (cache.self_attn, cache.cross_attn) if cache is not None else (None, None)
+        x = self.self_block(x, lambda h: self.self_attn(h, h, causal=True, cache=self_cache))
         x = self.cross_block(
-            x, lambda h: self.cross_attn(h, memory, key_padding_mask=src_pad, cache=cache, static_memory=True)
+            x, lambda h: self.cross_attn(h, memory, key_padding_mask=src_pad, cache=cross_cache, static_memory=True)
         )
         return self.ffn_block(x, self.ffn)

@@ -6,9 +6,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from transformer.attention import KVCache
 from transformer.config import TransformerConfig
-from transformer.layers import DecoderLayer, EncoderLayer
+from transformer.layers import DecoderLayer, EncoderLayer, LayerCache
 
 
 def sinusoidal_positions(n: int, d_model: int) -> Tensor:
@@ -34,8 +33,8 @@ class Transformer(nn.Module):
             self.register_buffer("sinusoids", sinusoidal_positions(c.max_positions, c.d_model), persistent=False)
         self.embed_dropout = nn.Dropout(c.dropout)
         pre = c.norm == "pre"
-        self.encoder = nn.ModuleList(EncoderLayer(c, f"enc{i}") for i in range(c.encoder_layers))
-        self.decoder = nn.ModuleList(DecoderLayer(c, f"dec{i}") for i in range(c.decoder_layers))
+        self.encoder = nn.ModuleList(EncoderLayer(c) for _ in range(c.encoder_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers))
         # Pre-norm stacks end in a LayerNorm of their own; post-norm layers already end in one.
         self.encoder_norm = nn.LayerNorm(c.d_model) if pre else nn.Identity()
         self.decoder_norm = nn.LayerNorm(c.d_model) if pre else nn.Identity()
@@ -70,17 +69,33 @@ class Transformer(nn.Module):
         return self.encoder_norm(x), src_pad
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor,
-               cache: KVCache | None = None, offset: int = 0) -> Tensor:
+               cache: DecoderCache | None = None, offset: int = 0) -> Tensor:
         """tgt_in (B, T) -> logits (B, T, vocab). With a cache, tgt_in holds only the positions from
         `offset` on and keys and values of earlier positions come from the cache."""
         x = self._embed(tgt_in, offset)
-        for layer in self.decoder:
-            x = layer(x, memory, src_pad, cache)
+        for i, layer in enumerate(self.decoder):
+            x = layer(x, memory, src_pad, cache.layers[i] if cache is not None else None)
         return nn.functional.linear(self.decoder_norm(x), self.embed.weight)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         memory, src_pad = self.encode(src)
         return self.decode(tgt_in, memory, src_pad)
+
+
+class DecoderCache:
+    """Every decoder layer's keys and values while decoding, per hypothesis (row)."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = [LayerCache() for _ in range(layers)]
+
+    def reorder(self, order: Tensor, sentences_dropped: bool) -> None:
+        """Keep rows `order` (N,) as beam search chose them. Every beam of a sentence shares its
+        source, so while rows only move among a sentence's beams the cross-attention keys and
+        values stay as they are; when finished sentences leave the batch, they shrink too."""
+        for layer in self.layers:
+            layer.self_attn.reorder(order)
+            if sentences_dropped:
+                layer.cross_attn.reorder(order)
 
 
 class IncrementalDecoder:
@@ -93,7 +108,7 @@ class IncrementalDecoder:
         # Every beam of a sentence shares its encoder output: (B * beam, S, d_model).
         self.memory = memory.repeat_interleave(beam_size, dim=0)
         self.src_pad = src_pad.repeat_interleave(beam_size, dim=0)
-        self.cache: KVCache | None = {} if use_cache else None
+        self.cache = DecoderCache(len(model.decoder)) if use_cache else None
 
     def step(self, tokens: Tensor) -> Tensor:
         """tokens (N, t), every prefix so far -> log-probabilities of the next token (N, vocab)."""
@@ -105,18 +120,14 @@ class IncrementalDecoder:
         return torch.log_softmax(logits.float(), dim=-1)
 
     def reorder(self, order: Tensor, sentences_dropped: bool = False) -> None:
-        """Keep the rows `order` (N,) of every per-hypothesis state, as beam search chose them.
-
-        Every beam of a sentence shares its encoder output and cross-attention keys and values, so
-        while rows only move among a sentence's beams those stay as they are; only the
-        self-attention cache moves. When finished sentences leave the batch, everything shrinks."""
+        """Keep the rows `order` (N,) of every per-hypothesis state, as beam search chose them. The
+        encoder output is the same for every beam of a sentence: it moves only when sentences leave
+        (or, without a cache, is read again in full each step, so it must follow the rows)."""
         if self.cache is None or sentences_dropped:
             self.memory = self.memory.index_select(0, order)
             self.src_pad = self.src_pad.index_select(0, order)
         if self.cache is not None:
-            for key, (k, v) in self.cache.items():
-                if sentences_dropped or not key.endswith(".cross"):
-                    self.cache[key] = (k.index_select(0, order), v.index_select(0, order))
+            self.cache.reorder(order, sentences_dropped)
 
 
 def training_flops(config: TransformerConfig, vocab_size: int, src_lengths: Tensor, tgt_lengths: Tensor) -> float:
