@@ -20,8 +20,8 @@ import numpy as np
 import sentencepiece as spm
 
 from stages.batching import token_batches
+from bench import SHARED
 
-SHARED = Path(os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
 def random_batches(src: np.ndarray, tgt: np.ndarray, budget: int, seed: int) -> list[np.ndarray]:

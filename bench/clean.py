@@ -17,8 +17,8 @@ from pathlib import Path
 
 from stages import clean
 from stages.io import write_manifest
+from bench import SHARED
 
-SHARED = Path(os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 SAMPLES = {"europarl-v7": "uedin-toy/europarl-v7.first10k", "news-commentary": "uedin-toy/news-commentary.first10k",
            "europarl-20k": "hf-europarl-20k/train"}
 WMT14_EN_DE_PAIRS = 4_520_620  # Europarl v7 + Common Crawl + News Commentary v9, as distributed

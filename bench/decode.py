@@ -19,7 +19,6 @@ the same work per token as a trained model, on longer outputs.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -27,11 +26,12 @@ from pathlib import Path
 import torch
 
 from stages import export, vocab
-from stages.average import save_model
 from stages.decode import DecodeParams, load_translator, translate
+from stages.devices import default_device
+from stages.model_files import ModelMeta, write_model
 from transformer import Transformer, TransformerConfig
+from bench import SHARED
 
-SHARED = Path(os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 NEWSTEST = SHARED / "wmt14/newstest2014-full/newstest2014-deen-src.en.txt"
 
 
@@ -49,8 +49,6 @@ def length_batches(lines: list[list[int]], batch_tokens: int) -> list[list[int]]
 
 def random_base(tmp: Path) -> tuple[Path, Path]:
     """A base-size model with random weights and a vocabulary learned from the shared samples."""
-    import dataclasses
-
     import sentencepiece as spm
 
     text = tmp / "train.txt"
@@ -64,8 +62,7 @@ def random_base(tmp: Path) -> tuple[Path, Path]:
     torch.manual_seed(0)
     config = TransformerConfig(512, 8, 2048, 6, 6, 0.1, 0.0, "post", "sinusoidal", 1024)
     model = Transformer(config, 8000, vocab.PAD_ID)
-    save_model(tmp / "model.safetensors", model.state_dict(),
-               {"model_config": dataclasses.asdict(config), "vocab_size": 8000})
+    write_model(tmp / "model.safetensors", model.state_dict(), ModelMeta(config, 8000, steps=(0,)))
     return tmp / "model.safetensors", tmp / "vocab"
 
 
@@ -86,7 +83,7 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace) -> None:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device()
     lines = args.source.read_text(encoding="utf-8").splitlines()[: args.limit or None]
     sp = vocab.load(args.vocab_dir)
     pieces = [sp.encode(line) for line in lines]

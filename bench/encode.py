@@ -17,8 +17,8 @@ from pathlib import Path
 import sentencepiece as spm
 
 from stages.encode import encode_file
+from bench import SHARED
 
-SHARED = Path(os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 STEMS = ["hf-europarl-20k/train", "uedin-toy/europarl-v7.first10k", "uedin-toy/news-commentary.first10k"]
 
 

@@ -13,46 +13,45 @@ in alternation, and the figure is target tokens (padding excluded) per second.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from stages import export
-from stages.batching import token_batches
-from stages.vocab import BOS_ID, EOS_ID, PAD_ID
+from stages.batching import collate, token_batches
+from stages.devices import default_device
+from stages.vocab import PAD_ID
 from transformer import Transformer, TransformerConfig, label_smoothed_nll_loss
+from bench import SHARED
 
-SHARED = Path(os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 SAMPLE = SHARED / "wmt14/train-sample/hf-europarl-20k/train"
 PRESETS = {"base": dict(d_model=512, n_heads=8, d_ff=2048), "big": dict(d_model=1024, n_heads=16, d_ff=4096)}
+
+
+class RandomCorpus:
+    """Pairs of the given lengths with random token ids, as the pipeline's corpus gives them to collate."""
+
+    def __init__(self, src_lengths: np.ndarray, tgt_lengths: np.ndarray, vocab_size: int) -> None:
+        rng = np.random.default_rng(0)
+        self.pairs = [(rng.integers(4, vocab_size, s), rng.integers(4, vocab_size, t))
+                      for s, t in zip(src_lengths, tgt_lengths, strict=True)]
+
+    def src(self, i: int) -> np.ndarray:
+        return self.pairs[i][0]
+
+    def tgt(self, i: int) -> np.ndarray:
+        return self.pairs[i][1]
 
 
 def batches(batch_tokens: int, vocab_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     words = [[len(line.split()) for line in open(f"{SAMPLE}.{lang}", encoding="utf-8")] for lang in ("en", "de")]
     src_len, tgt_len = (np.maximum(1, np.round(np.array(w) * 1.3)).astype(np.int64) for w in words)
     chosen, _ = token_batches(src_len, tgt_len, batch_tokens, seed=1)
-    rng = np.random.default_rng(0)
-    out = []
-    for indices in rng.permutation(len(chosen))[:count]:
-        idx = chosen[indices]
-        s, t = src_len[idx], tgt_len[idx]
-        src = torch.full((len(idx), s.max() + 1), PAD_ID)
-        tgt_in = torch.full((len(idx), t.max() + 1), PAD_ID)
-        tgt_out = tgt_in.clone()
-        for row, (a, b) in enumerate(zip(s, t)):
-            src[row, :a] = torch.from_numpy(rng.integers(4, vocab_size, a))
-            src[row, a] = EOS_ID
-            ids = torch.from_numpy(rng.integers(4, vocab_size, b))
-            tgt_in[row, 0], tgt_in[row, 1 : b + 1] = BOS_ID, ids
-            tgt_out[row, :b], tgt_out[row, b] = ids, EOS_ID
-        out.append((src, tgt_in, tgt_out))
-    return out
+    corpus = RandomCorpus(src_len, tgt_len, vocab_size)
+    return [collate(corpus, chosen[i]) for i in np.random.default_rng(0).permutation(len(chosen))[:count]]
 
 
 def ours(config: TransformerConfig, vocab_size: int):
@@ -66,7 +65,7 @@ def ours(config: TransformerConfig, vocab_size: int):
 def marian(config: TransformerConfig, vocab_size: int):
     from transformers import MarianMTModel
 
-    model = MarianMTModel(export.marian_config(dataclasses.asdict(config), vocab_size))
+    model = MarianMTModel(export.marian_config(config, vocab_size))
 
     def loss(src, tgt_in, tgt_out):
         logits = model(input_ids=src, attention_mask=src.ne(PAD_ID), decoder_input_ids=tgt_in,
@@ -87,7 +86,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile both models")
     args = ap.parse_args()
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device()
     torch.manual_seed(0)
     config = TransformerConfig(**PRESETS[args.preset], encoder_layers=6, decoder_layers=6, dropout=0.1,
                                attention_dropout=0.0, norm="post", positions="sinusoidal", max_positions=1024)

@@ -120,17 +120,18 @@ class BatchSampler:
         self._order = self._epoch_order()
 
 
+def pad(rows: list, pad_id: int = PAD_ID) -> torch.Tensor:
+    """Rows of token ids of any lengths as one (rows, longest) int64 tensor, padded at the end."""
+    out = torch.full((len(rows), max(map(len, rows), default=0)), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(np.asarray(row, dtype=np.int64))
+    return out
+
+
 def collate(corpus, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Padded tensors for a batch of pairs: source + EOS, BOS + target (decoder input), target + EOS."""
-    srcs = [np.append(corpus.src(i), EOS_ID) for i in indices]
+    """Padded tensors for a batch of pairs: source + EOS, BOS + target (decoder input), target + EOS.
+    `corpus` gives pair i's token ids as corpus.src(i) and corpus.tgt(i)."""
     tgts = [np.asarray(corpus.tgt(i), dtype=np.int64) for i in indices]
-    src = torch.full((len(srcs), max(map(len, srcs))), PAD_ID, dtype=torch.long)
-    tgt_in = torch.full((len(tgts), max(map(len, tgts)) + 1), PAD_ID, dtype=torch.long)
-    tgt_out = tgt_in.clone()
-    for row, (s, t) in enumerate(zip(srcs, tgts, strict=True)):
-        src[row, : len(s)] = torch.from_numpy(s.astype(np.int64))
-        tgt_in[row, 0] = BOS_ID
-        tgt_in[row, 1 : len(t) + 1] = torch.from_numpy(t)
-        tgt_out[row, : len(t)] = torch.from_numpy(t)
-        tgt_out[row, len(t)] = EOS_ID
-    return src, tgt_in, tgt_out
+    return (pad([np.append(corpus.src(i), EOS_ID) for i in indices]),
+            pad([np.concatenate([[BOS_ID], t]) for t in tgts]),
+            pad([np.append(t, EOS_ID) for t in tgts]))

@@ -17,7 +17,6 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from itertools import islice
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Literal
@@ -25,8 +24,8 @@ from typing import Literal
 from sacremoses import MosesPunctNormalizer
 from tqdm import tqdm
 
-from stages.io import SPLITS, PipelineError, atomic_write, count_pairs, read_manifest, read_train_corpora, \
-    require_dir, split_path, write_manifest
+from stages.io import SPLITS, InputPath, OutputPath, PipelineError, atomic_write, check, chunks, count_pairs, \
+    read_manifest, read_train_corpora, require_dir, split_path, write_manifest
 
 REASONS = ("invalid_utf8", "empty", "too_long", "length_ratio", "duplicate")
 CHUNK = 20_000  # pairs per task handed to a worker
@@ -41,6 +40,11 @@ class CleanParams:
     unicode_form: Literal["NFC", "NFKC", "none"]
     invalid_utf8: Literal["error", "drop"]  # stop with file, line and byte, or drop the pair and count it
     workers: int  # processes; 0: one per core
+
+    def __post_init__(self) -> None:
+        check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, not {self.max_tokens}")
+        check(self.max_ratio >= 1, "max_ratio", f"is longest over shortest, so at least 1, not {self.max_ratio}")
+        check(self.workers >= 0, "workers", f"must be 0 (one per core) or more, not {self.workers}")
 
 
 def drop_reason(src: str, tgt: str, params: CleanParams) -> str | None:
@@ -109,12 +113,7 @@ def _raw_pairs(src: Path, tgt: Path) -> Iterator[RawPair]:
             tgt_offset += len(t)
 
 
-def _chunks(pairs: Iterator[RawPair]) -> Iterator[list[RawPair]]:
-    while chunk := list(islice(pairs, CHUNK)):
-        yield chunk
-
-
-def run(params: CleanParams, *, raw_dir: str | Path, out_dir: str | Path) -> dict[str, object]:
+def run(params: CleanParams, *, raw_dir: InputPath, out_dir: OutputPath) -> dict[str, object]:
     raw_dir = require_dir(raw_dir, "raw text (download stage output)")
     src_lang, tgt_lang = read_manifest(raw_dir)
     corpora = read_train_corpora(raw_dir)
@@ -133,7 +132,7 @@ def run(params: CleanParams, *, raw_dir: str | Path, out_dir: str | Path) -> dic
                     atomic_write(split_path(out_dir, split, tgt_lang)) as ft, \
                     tqdm(total=total, desc=f"clean {split}", unit=" pairs", mininterval=2) as bar:
                 results = pool.imap(partial(_process, params=params, filtering=split == "train"),
-                                    _chunks(_raw_pairs(src_path, tgt_path)))
+                                    chunks(_raw_pairs(src_path, tgt_path), CHUNK))
                 line = 0
                 for chunk in results:
                     for src, tgt, reason in chunk:

@@ -12,10 +12,11 @@ import torch
 from tqdm import tqdm
 
 from stages import vocab
-from stages.average import load_model
-from stages.train import load_checkpoint
-from stages.io import PipelineError, atomic_write, read_lines, read_manifest, require_dir, split_path
-from transformer import IncrementalDecoder, Transformer, TransformerConfig, beam_search
+from stages.batching import pad
+from stages.devices import default_device
+from stages.io import InputPath, OutputPath, atomic_write, check, read_lines, read_manifest, require_dir, split_path
+from stages.model_files import read_model
+from transformer import IncrementalDecoder, Transformer, beam_search
 
 SPLITS = ("dev", "test")
 
@@ -28,15 +29,17 @@ class DecodeParams:
     max_length_extra: int  # a translation has at most (source tokens + this) tokens
     batch_tokens: int  # source tokens per batch, padding included
 
+    def __post_init__(self) -> None:
+        check(self.beam_size >= 1, "beam_size", f"must be at least 1 (1: greedy), not {self.beam_size}")
+        check(self.length_penalty >= 0, "length_penalty", f"alpha must be 0 or more, not {self.length_penalty}")
+        check(self.max_length_extra >= 0, "max_length_extra", f"must be 0 or more, not {self.max_length_extra}")
+        check(self.batch_tokens >= 1, "batch_tokens", f"must be at least 1, not {self.batch_tokens}")
+
 
 def load_translator(model_path: str | Path, device: torch.device) -> Transformer:
     """An averaged model (.safetensors, from the average stage) or a training checkpoint (.pt)."""
-    if Path(model_path).suffix == ".pt":
-        state = load_checkpoint(model_path)
-        weights, meta = state["model"], state
-    else:
-        weights, meta = load_model(model_path)
-    model = Transformer(TransformerConfig(**meta["model_config"]), meta["vocab_size"], vocab.PAD_ID)
+    weights, meta = read_model(model_path)
+    model = Transformer(meta.config, meta.vocab_size, vocab.PAD_ID)
     model.load_state_dict(weights)
     return model.to(device).eval()
 
@@ -60,10 +63,7 @@ def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, de
         while end < len(order) and (end - start + 1) * (len(encoded[order[end]]) + 1) <= params.batch_tokens:
             end += 1
         batch = [encoded[i] + [vocab.EOS_ID] for i in order[start:end]]
-        src = torch.full((len(batch), max(map(len, batch))), vocab.PAD_ID, dtype=torch.long)
-        for row, ids in enumerate(batch):
-            src[row, : len(ids)] = torch.tensor(ids)
-        src = src.to(device)
+        src = pad(batch).to(device)
         max_lengths = torch.tensor([min(len(ids) - 1 + params.max_length_extra, limit) for ids in batch],
                                    device=device).clamp(min=1)
         decoder = IncrementalDecoder(model, src, params.beam_size)
@@ -77,14 +77,11 @@ def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, de
     return out
 
 
-def run(params: DecodeParams, *, model_path: str | Path, vocab_dir: str | Path, clean_dir: str | Path,
-        out_dir: str | Path) -> dict[str, float]:
+def run(params: DecodeParams, *, model_path: InputPath, vocab_dir: InputPath, clean_dir: InputPath,
+        out_dir: OutputPath) -> dict[str, float]:
     clean_dir = require_dir(clean_dir, "clean text (clean stage output)")
-    if params.beam_size < 1:
-        raise PipelineError(f"decode.beam_size must be at least 1, not {params.beam_size}")
     src_lang, tgt_lang = read_manifest(clean_dir)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_translator(model_path, device)
+    model = load_translator(model_path, default_device())
     sp = vocab.load(vocab_dir)
     metrics: dict[str, float] = {}
     for split in SPLITS:

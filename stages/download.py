@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from stages import wmt14
 from stages.fetch import extract, fetch, open_member
-from stages.io import ParallelFiles, PipelineError, atomic_write, count_pairs, file_digest, split_path, \
-    write_manifest
+from stages.io import OutputPath, ParallelFiles, PipelineError, atomic_write, check, count_pairs, file_digest, \
+    split_path, write_manifest
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,14 @@ class Wmt14Source:
     test: Literal["full", "filtered"]  # newstest2014 as sacreBLEU's wmt14/full (3003, the paper's) or wmt14
     mirrors: tuple[str, ...]  # base addresses tried in order before statmt.org's own
     archive_dir: str  # archives are kept (and verified) here between runs
+
+    def __post_init__(self) -> None:
+        check(bool(self.corpora), "corpora", "names no training corpus")
+        unknown = [c for c in self.corpora if c not in wmt14.TRAINING_ARCHIVES]
+        check(not unknown, "corpora", f"unknown corpus {', '.join(map(repr, unknown))} "
+                                      f"(known: {', '.join(wmt14.TRAINING_ARCHIVES)})")
+        bad = [m for m in self.mirrors if not m.startswith(("http://", "https://"))]
+        check(not bad, "mirrors", f"{', '.join(map(repr, bad))} is not an http:// or https:// address")
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,17 @@ class DownloadParams:
     wmt14: Wmt14Source
     local: LocalSource
 
+    def __post_init__(self) -> None:
+        check(bool(self.src_lang) and self.src_lang != self.tgt_lang, "tgt_lang",
+              f"must differ from src_lang, not also '{self.src_lang}'")
+        if self.source == "wmt14":
+            check(self.src_lang == "en" and self.tgt_lang in wmt14.PAPER_CORPORA, "tgt_lang",
+                  f"wmt14 has en-de and en-fr, not {self.src_lang}-{self.tgt_lang}")
+            other = [c for c in self.wmt14.corpora if c not in wmt14.PAPER_CORPORA[self.tgt_lang]]
+            check(not other, "wmt14.corpora", f"no en-{self.tgt_lang} text in {', '.join(other)}")
+        else:
+            check(bool(self.local.train), "local.train", "names no training corpus")
+
 
 @dataclass(frozen=True)
 class Corpus:
@@ -57,9 +76,7 @@ class Corpus:
     expected: int | None = None  # published pair count, where there is one
 
 
-def run(params: DownloadParams, *, out_dir: str | Path) -> dict[str, object]:
-    if params.src_lang == params.tgt_lang:
-        raise PipelineError(f"download: src_lang and tgt_lang are both '{params.src_lang}'")
+def run(params: DownloadParams, *, out_dir: OutputPath) -> dict[str, object]:
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=out_dir.parent) as tmp:  # beside the output: same disk
@@ -98,7 +115,7 @@ def source_digest(params: DownloadParams) -> str:
             for name in (f.src, f.tgt):
                 h.update(file_digest(root / name).encode() if (root / name).is_file() else b"missing")
     else:
-        archives = [wmt14.TRAINING_ARCHIVES[c] for c in params.wmt14.corpora if c in wmt14.TRAINING_ARCHIVES]
+        archives = [wmt14.TRAINING_ARCHIVES[c] for c in params.wmt14.corpora]
         for archive in (*archives, wmt14.DEV_ARCHIVE, wmt14.test_set(params.wmt14.test, params.tgt_lang)[0]):
             h.update(archive.digest.encode())
     return h.hexdigest()
@@ -130,14 +147,9 @@ def _local(p: LocalSource) -> dict[str, list[Corpus]]:
 
 def _wmt14(params: DownloadParams, tmp: Path) -> dict[str, list[Corpus]]:
     p, tgt = params.wmt14, params.tgt_lang
-    if params.src_lang != "en" or tgt not in wmt14.PAPER_CORPORA:
-        raise PipelineError(f"download: wmt14 has en-de and en-fr, not {params.src_lang}-{tgt}")
     archives = Path(p.archive_dir)
     train = []
     for name in p.corpora:
-        if name not in wmt14.TRAINING_ARCHIVES:
-            raise PipelineError(f"download.wmt14.corpora: unknown corpus {name!r} "
-                                f"(known: {', '.join(wmt14.TRAINING_ARCHIVES)})")
         members = wmt14.training_members(name, tgt)
         found = extract(fetch(wmt14.TRAINING_ARCHIVES[name], archives, p.mirrors), tmp / name, set(members))
         src, ref = (_decompressed(found[m], tmp / name) for m in members)

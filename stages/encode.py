@@ -7,23 +7,16 @@ Both are memory-mapped when read. No BOS or EOS is stored; the model adds them.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from stages import vocab
-from stages.io import SPLITS, PipelineError, atomic_write, count_lines, read_lines, read_manifest, require_dir, \
-    split_path, write_manifest
+from stages.io import SPLITS, InputPath, OutputPath, PipelineError, atomic_write, chunks, count_lines, read_lines, \
+    read_manifest, require_dir, split_path, write_manifest
 
 CHUNK = 50_000  # lines encoded per call, so memory stays flat whatever the corpus size
-
-
-def _chunks(lines: Iterator[str]) -> Iterator[list[str]]:
-    while chunk := list(islice(lines, CHUNK)):
-        yield chunk
 
 
 def encode_file(sp, text_path: Path, out_prefix: Path, threads: int | None = None) -> tuple[np.ndarray, int]:
@@ -35,7 +28,7 @@ def encode_file(sp, text_path: Path, out_prefix: Path, threads: int | None = Non
     tmp_ids = out_prefix.with_name(out_prefix.name + ".ids.tmp")
     with open(tmp_ids, "wb") as f:
         bar = tqdm(total=count_lines(text_path), desc=f"encode {text_path.name}", unit=" lines", mininterval=2)
-        for chunk in _chunks(read_lines(text_path)):
+        for chunk in chunks(read_lines(text_path), CHUNK):
             encoded = sp.encode(chunk, num_threads=threads or os.cpu_count() or 1)
             lengths.extend(len(ids) for ids in encoded)
             flat = np.fromiter((i for ids in encoded for i in ids), dtype=dtype)
@@ -53,7 +46,7 @@ def encode_file(sp, text_path: Path, out_prefix: Path, threads: int | None = Non
     return np.asarray(lengths), unknown
 
 
-def run(*, clean_dir: str | Path, vocab_dir: str | Path, out_dir: str | Path) -> dict[str, float]:
+def run(*, clean_dir: InputPath, vocab_dir: InputPath, out_dir: OutputPath) -> dict[str, float]:
     clean_dir = require_dir(clean_dir, "clean text (clean stage output)")
     src_lang, tgt_lang = read_manifest(clean_dir)
     sp = vocab.load(vocab_dir)

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 from stages import vocab
-from stages.average import load_model
-from stages.io import PipelineError
+from stages.io import InputPath, OutputPath, PipelineError
+from stages.model_files import read_model
+from transformer import TransformerConfig
 
 # ours -> Marian's names, per encoder / decoder layer
 _ENCODER_LAYER = {"self_attn.{p}_proj": "self_attn.{p}_proj", "attn_block.norm": "self_attn_layer_norm",
@@ -39,30 +40,29 @@ def marian_state_dict(weights: dict[str, torch.Tensor], encoder_layers: int,
     return out
 
 
-def _check_expressible(config: dict) -> None:
+def _check_expressible(config: TransformerConfig) -> None:
     problems = []
-    if config["norm"] != "post":
+    if config.norm != "post":
         problems.append("model.norm is pre (Marian is post-LayerNorm)")
-    if config["positions"] != "sinusoidal":
+    if config.positions != "sinusoidal":
         problems.append("model.positions is learned (Marian's are sinusoidal)")
-    head = config["d_model"] // config["n_heads"]
-    if (config.get("d_k") or head) != head or (config.get("d_v") or head) != head:
+    if config.head_dims != (config.d_model // config.n_heads,) * 2:
         problems.append("d_k or d_v differs from d_model / n_heads")
     if problems:
         raise PipelineError("this model cannot be written as MarianMT: " + "; ".join(problems))
 
 
-def marian_config(c: dict, vocab_size: int):
-    """Our architecture (TransformerConfig as a dict) as a transformers MarianConfig."""
+def marian_config(c: TransformerConfig, vocab_size: int):
+    """Our architecture as a transformers MarianConfig."""
     from transformers import MarianConfig
 
     return MarianConfig(
-        vocab_size=vocab_size, decoder_vocab_size=vocab_size, d_model=c["d_model"],
-        encoder_layers=c["encoder_layers"], decoder_layers=c["decoder_layers"],
-        encoder_attention_heads=c["n_heads"], decoder_attention_heads=c["n_heads"],
-        encoder_ffn_dim=c["d_ff"], decoder_ffn_dim=c["d_ff"], activation_function="relu",
-        dropout=c["dropout"], attention_dropout=c["attention_dropout"], activation_dropout=0.0,
-        max_position_embeddings=c["max_positions"], scale_embedding=True, share_encoder_decoder_embeddings=True,
+        vocab_size=vocab_size, decoder_vocab_size=vocab_size, d_model=c.d_model,
+        encoder_layers=c.encoder_layers, decoder_layers=c.decoder_layers,
+        encoder_attention_heads=c.n_heads, decoder_attention_heads=c.n_heads,
+        encoder_ffn_dim=c.d_ff, decoder_ffn_dim=c.d_ff, activation_function="relu",
+        dropout=c.dropout, attention_dropout=c.attention_dropout, activation_dropout=0.0,
+        max_position_embeddings=c.max_positions, scale_embedding=True, share_encoder_decoder_embeddings=True,
         tie_word_embeddings=True, pad_token_id=vocab.PAD_ID, bos_token_id=vocab.BOS_ID, eos_token_id=vocab.EOS_ID,
         decoder_start_token_id=vocab.BOS_ID, forced_eos_token_id=vocab.EOS_ID,
     )
@@ -72,13 +72,12 @@ def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path
     """Write a MarianMT directory (config, safetensors weights, tokenizer files, generation defaults)."""
     from transformers import GenerationConfig, MarianMTModel
 
-    weights, meta = load_model(model_path)
-    c = meta["model_config"]
+    weights, meta = read_model(model_path)
+    c = meta.config
     _check_expressible(c)
-    config = marian_config(c, meta["vocab_size"])
-    model = MarianMTModel(config)
+    model = MarianMTModel(marian_config(c, meta.vocab_size))
     missing, unexpected = model.load_state_dict(
-        marian_state_dict(weights, c["encoder_layers"], c["decoder_layers"]), strict=False)
+        marian_state_dict(weights, c.encoder_layers, c.decoder_layers), strict=False)
     # Everything else is tied to the shared embedding, a zero logits bias, or computed positions.
     left = [k for k in missing if not k.endswith(("embed_tokens.weight", "lm_head.weight", "embed_positions.weight", "final_logits_bias"))]
     if left or unexpected:
@@ -86,7 +85,7 @@ def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path
                             f"unexpected {unexpected[:3]})")
     model.generation_config = GenerationConfig(
         decoder_start_token_id=vocab.BOS_ID, bos_token_id=vocab.BOS_ID, eos_token_id=vocab.EOS_ID,
-        forced_eos_token_id=vocab.EOS_ID, pad_token_id=vocab.PAD_ID, num_beams=4, max_length=c["max_positions"])
+        forced_eos_token_id=vocab.EOS_ID, pad_token_id=vocab.PAD_ID, num_beams=4, max_length=c.max_positions)
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -98,7 +97,7 @@ def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path
     (tmp / "vocab.json").write_text(
         json.dumps({sp.id_to_piece(i): i for i in range(sp.get_piece_size())}, ensure_ascii=False), encoding="utf-8")
     (tmp / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "MarianTokenizer", "model_max_length": c["max_positions"],
+        "tokenizer_class": "MarianTokenizer", "model_max_length": c.max_positions,
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>", "separate_vocabs": False}), encoding="utf-8")
     _replace_dir(tmp, out_dir)
     return out_dir
@@ -150,8 +149,8 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
         tmp.rename(out_dir)
 
 
-def run(*, model_path: str | Path, vocab_dir: str | Path, marian_dir: str | Path,
-        ctranslate2_dir: str | Path) -> dict[str, float]:
+def run(*, model_path: InputPath, vocab_dir: InputPath, marian_dir: OutputPath,
+        ctranslate2_dir: OutputPath) -> dict[str, float]:
     marian = to_marian(model_path, vocab_dir, marian_dir)
     to_ctranslate2(marian, ctranslate2_dir)
     size = lambda d: sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())  # noqa: E731

@@ -6,10 +6,18 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Annotated, Any, TypeVar
+
+T = TypeVar("T")
+
+# A stage's `run` names the paths it reads and writes with these annotations: its contract, from which
+# the command line builds its flags and which dvc.yaml's deps and outs are checked against.
+InputPath = Annotated[str | Path, "input"]
+OutputPath = Annotated[str | Path, "output"]
 
 
 class PipelineError(Exception):
@@ -32,6 +40,20 @@ def atomic_write(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def check(ok: bool, key: str, message: str) -> None:
+    """A check of a params class's value: ValueError(key, message), which the params loader reports at
+    that key's line of params.yaml."""
+    if not ok:
+        raise ValueError(key, message)
+
+
+def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    """Consecutive lists of `size` items (the last may be shorter), so memory stays flat over a corpus."""
+    iterator = iter(items)
+    while chunk := list(islice(iterator, size)):
+        yield chunk
 
 
 def write_json(path: str | Path, data: Any) -> None:

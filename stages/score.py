@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from sacrebleu.metrics import BLEU, CHRF
 from sacremoses import MosesTokenizer
 
-from stages.io import PipelineError, read_lines, read_manifest, require_dir, split_path
+from stages.io import InputPath, PipelineError, check, read_lines, read_manifest, require_dir, split_path
 
 SPLITS = ("dev", "test")
 COMPOUND = re.compile(r"(\S)-(\S)")
@@ -28,6 +27,10 @@ BLEU_TOK_VARIANT = "moses-tokenized|compound-split:##AT##|case:mixed|multi-bleu"
 class ScoreParams:
     tokenize: str  # sacreBLEU tokenizer: 13a (its default), intl, none, ...
     lowercase: bool
+
+    def __post_init__(self) -> None:
+        check(self.tokenize in BLEU.TOKENIZERS, "tokenize",
+              f"{self.tokenize!r} is not a sacreBLEU tokenizer (known: {', '.join(BLEU.TOKENIZERS)})")
 
 
 def paper_tokenize(lines: list[str], lang: str) -> list[str]:
@@ -61,7 +64,7 @@ def score(params: ScoreParams, hypotheses: list[str], references: list[str], *, 
     }
 
 
-def run(params: ScoreParams, *, hyp_dir: str | Path, ref_dir: str | Path) -> dict[str, dict[str, float | str]]:
+def run(params: ScoreParams, *, hyp_dir: InputPath, ref_dir: InputPath) -> dict[str, dict[str, float | str]]:
     """Scores per split; references come from the download stage's output, never cleaned."""
     hyp_dir, ref_dir = require_dir(hyp_dir, "translations (decode stage output)"), require_dir(ref_dir, "reference")
     _, tgt_lang = read_manifest(ref_dir)

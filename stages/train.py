@@ -4,22 +4,20 @@ The paper's recipe: Adam (0.9, 0.98, 1e-9), warm-up then inverse-square-root lea
 smoothing 0.1, ~25k source + 25k target tokens per optimizer step. The step's loss is summed over
 its target tokens and divided by their count across all micro-batches and processes, so the result
 does not depend on how the step is split. Precision, parallelism and checkpoints live here, not in
-the model. A checkpoint holds everything a resumed run needs to continue exactly as if never stopped.
+the model. A checkpoint holds every named part of the training state, so a resumed run continues
+exactly as if never stopped.
 """
 from __future__ import annotations
 
 import contextlib
-import csv
 import hashlib
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast, gather_object, set_seed
@@ -27,13 +25,15 @@ from tqdm import tqdm
 
 from stages import vocab
 from stages.batching import BatchSampler, collate, token_batches
+from stages.devices import default_device, mixed_precision, peak_flops
 from stages.encode import ParallelIds
-from stages.io import PipelineError, atomic_write, require_dir
+from stages.io import InputPath, OutputPath, PipelineError, check, require_dir
+from stages.model_files import Checkpoint, ModelMeta, list_checkpoints, prune_checkpoints, read_checkpoint, \
+    write_checkpoint
+from stages.train_metrics import MetricsWindow, Progress, summary, write_curves
 from transformer import Transformer, TransformerConfig, inverse_sqrt_rate, label_smoothed_nll_loss
 from transformer.model import training_flops
 
-CHECKPOINT_FORMAT = "transformer-pipeline/checkpoint/1"
-CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
 MetricsLogger = Callable[[dict[str, float], int], None]
 
 
@@ -56,30 +56,19 @@ class TrainParams:
     checkpoint_every_minutes: float  # 0: by steps only
     keep_checkpoints: int
 
+    def __post_init__(self) -> None:
+        for key in ("batch_tokens", "grad_accum", "warmup_steps", "log_every", "validate_every", "keep_checkpoints"):
+            check(getattr(self, key) >= 1, key, f"must be at least 1, not {getattr(self, key)}")
+        for key in ("max_steps", "seed", "checkpoint_every_steps", "checkpoint_every_minutes", "clip_norm"):
+            check(getattr(self, key) >= 0, key, f"must be 0 or more, not {getattr(self, key)}")
+        check(all(0 <= b < 1 for b in self.adam_betas), "adam_betas", f"must be in [0, 1), not {self.adam_betas}")
+        check(self.adam_eps > 0, "adam_eps", f"must be positive, not {self.adam_eps}")
+        check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), not {self.label_smoothing}")
+
 
 # Train parameters that may change between a run and its resumption: they do not alter the updates.
 RESUMABLE_CHANGES = {"max_steps", "log_every", "validate_every", "checkpoint_every_steps",
                      "checkpoint_every_minutes", "keep_checkpoints", "compile"}
-
-
-def checkpoints(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first, ordered by step number (never by file name)."""
-    found = []
-    for p in Path(checkpoint_dir).glob("checkpoint-*.pt"):
-        if m := CHECKPOINT_NAME.match(p.name):
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load one of our checkpoints without running any pickled code."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure to unpickle means: not a checkpoint of ours
-        raise PipelineError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise PipelineError(f"{path}: not a checkpoint written by this pipeline's train stage")
-    return state
 
 
 def _digest(*paths: Path) -> str:
@@ -91,23 +80,45 @@ def _digest(*paths: Path) -> str:
     return h.hexdigest()
 
 
-# Dense bf16/fp16 tensor-core peaks (vendor datasheets, FLOP/s), for model FLOPs utilisation.
-PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
-              "A10G": 125e12, "L4": 121e12, "V100": 125e12}
+class Stateful(Protocol):
+    """A named part of the training state: it saves and restores itself."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
 
 
-def peak_flops(device: torch.device, precision: str) -> float | None:
-    """The accelerator's peak for the precision trained in, or None (CPUs, fp32, unknown GPUs)."""
-    if device.type != "cuda" or precision not in ("bf16", "fp16"):
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
+class RngStates:
+    """Every process's random number generators, gathered (a collective: every process calls it) so
+    that one file resumes them all."""
+
+    def __init__(self, process_index: int) -> None:
+        self.process_index = process_index
+
+    def state_dict(self) -> list[dict[str, torch.Tensor]]:
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return gather_object([rng])  # one per process, in rank order
+
+    def load_state_dict(self, states: list[dict[str, torch.Tensor]]) -> None:
+        rng = states[self.process_index]
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
 
 
-def _precision(choice: str) -> str:
-    if choice == "auto":
-        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    return {"fp32": "no"}.get(choice, choice)
+class UnwrappedModel:
+    """The model's own weights, without what Accelerate (DDP, compile) wraps around it."""
+
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module) -> None:
+        self.acc, self.model = accelerator, model
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.acc.unwrap_model(self.model).state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.acc.unwrap_model(self.model).load_state_dict(state)
 
 
 class Trainer:
@@ -132,22 +143,17 @@ class Trainer:
         dev_batches, _ = token_batches(self.dev.src_lengths, self.dev.tgt_lengths, self.micro_tokens, None)
         self.dev_batches = dev_batches[accelerator.process_index :: world]
 
-        sp = vocab.load(vocab_dir)
-        model = Transformer(model_config, sp.get_piece_size(), vocab.PAD_ID)
+        model = Transformer(model_config, vocab.load(vocab_dir).get_piece_size(), vocab.PAD_ID)
         self.n_parameters = sum(p.numel() for p in model.parameters())
-        self.flops = lambda src_lengths, tgt_lengths: training_flops(model_config, model.vocab_size,
-                                                                     src_lengths, tgt_lengths)
+        self.meta = ModelMeta(model_config, model.vocab_size, steps=())
         self.peak = peak_flops(accelerator.device, accelerator.mixed_precision)
-        self.total_flops = self.total_seconds = 0.0  # over the whole run, resumptions included
         optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=params.adam_betas, eps=params.adam_eps,
                                      fused=True)
         # LambdaLR scales lr=1.0 by the paper's rate; its counter is the number of steps taken so far.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda done: inverse_sqrt_rate(done + 1, model_config.d_model, params.warmup_steps))
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
-        self.step = 0
-        self.history: list[dict[str, float]] = []
-        self.valid_history: list[dict[str, float]] = []
+        self.progress = Progress()
         self.fingerprint = {
             "model": asdict(model_config),
             "train": {k: v for k, v in asdict(params).items() if k not in RESUMABLE_CHANGES},
@@ -155,19 +161,29 @@ class Trainer:
             "data": _digest(*sorted(Path(encoded_dir).glob("train.*.npy"))),
             "world_size": world,
         }
+        # The training state a checkpoint holds, by name; the RNGs last, after everything that draws on them.
+        self.parts: dict[str, Stateful] = {
+            "model": UnwrappedModel(accelerator, self.model), "optimizer": self.optimizer,
+            "scheduler": self.scheduler, "sampler": self.sampler, "progress": self.progress,
+            **({"scaler": accelerator.scaler} if accelerator.scaler is not None else {}),
+            "rng": RngStates(accelerator.process_index),
+        }
+
+    def flops(self, src: torch.Tensor, tgt: torch.Tensor) -> float:
+        return training_flops(self.meta.config, self.meta.vocab_size, src.ne(vocab.PAD_ID).sum(1),
+                              tgt.ne(vocab.PAD_ID).sum(1))
 
     # -- one optimizer step ---------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         acc, p = self.acc, self.params
         self.model.train()
         micro = [collate(self.corpus, next(self.sampler)) for _ in range(p.grad_accum)]
-        local_tokens = sum(int(t.ne(vocab.PAD_ID).sum()) for _, _, t in micro)
-        local_src_tokens = sum(int(s.ne(vocab.PAD_ID).sum()) for s, _, _ in micro)
+        real = [(int(s.ne(vocab.PAD_ID).sum()), int(t.ne(vocab.PAD_ID).sum())) for s, _, t in micro]
         # what batching costs: padded slots per side, and the real tokens of the side that binds the budget
-        padded = {"src_slots": sum(s.numel() for s, _, _ in micro), "tgt_slots": sum(t.numel() for _, _, t in micro),
-                  "binding": sum(max(int(s.ne(vocab.PAD_ID).sum()), int(t.ne(vocab.PAD_ID).sum())) for s, _, t in micro)}
-        flops = sum(self.flops(s.ne(vocab.PAD_ID).sum(1), t.ne(vocab.PAD_ID).sum(1)) for s, _, t in micro)
-        global_tokens = float(acc.reduce(torch.tensor(local_tokens, device=acc.device), "sum"))
+        report = {"tokens": sum(t for _, t in real), "src_tokens": sum(s for s, _ in real),
+                  "src_slots": sum(s.numel() for s, _, _ in micro), "tgt_slots": sum(t.numel() for _, _, t in micro),
+                  "binding": sum(max(s, t) for s, t in real), "flops": sum(self.flops(s, t) for s, _, t in micro)}
+        global_tokens = float(acc.reduce(torch.tensor(report["tokens"], device=acc.device), "sum"))
         loss_sum = nll_sum = 0.0
         for i, (src, tgt_in, tgt_out) in enumerate(micro):
             src, tgt_in, tgt_out = (x.to(acc.device) for x in (src, tgt_in, tgt_out))
@@ -181,16 +197,15 @@ class Trainer:
             loss_sum += loss.item()
             nll_sum += nll.item()
         if not math.isfinite(loss_sum):
-            raise PipelineError(f"non-finite loss ({loss_sum}) at step {self.step + 1} on process "
+            raise PipelineError(f"non-finite loss ({loss_sum}) at step {self.progress.step + 1} on process "
                                 f"{acc.process_index}; stopped before the optimizer step")
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), p.clip_norm if p.clip_norm > 0 else math.inf)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return {"loss_sum": loss_sum, "nll_sum": nll_sum, "tokens": local_tokens, "src_tokens": local_src_tokens,
-                "grad_norm": float(grad_norm), "lr": lr, "flops": flops, **padded}
+        self.progress.step += 1
+        return {"loss_sum": loss_sum, "nll_sum": nll_sum, "grad_norm": float(grad_norm), "lr": lr, **report}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -207,71 +222,36 @@ class Trainer:
         return {"valid_loss": loss / tokens, "valid_nll": nll / tokens, "valid_ppl": math.exp(nll / tokens)}
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def state(self) -> dict[str, Any] | None:
-        """The full training state, gathered on the main process (None elsewhere)."""
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        rngs = gather_object([rng])  # one per process, in rank order
-        if not self.acc.is_main_process:
-            return None
-        scaler = self.acc.scaler.state_dict() if self.acc.scaler is not None else None
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "step": self.step,
-            "model": self.acc.unwrap_model(self.model).state_dict(),
-            "model_config": asdict(self.acc.unwrap_model(self.model).config),
-            "vocab_size": self.acc.unwrap_model(self.model).vocab_size,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": scaler,
-            "sampler": self.sampler.state_dict(),
-            "rng": rngs,
-            "total_flops": self.total_flops,
-            "total_seconds": self.total_seconds,
-            "history": self.history,
-            "valid_history": self.valid_history,
-            "fingerprint": self.fingerprint,
-        }
-
     def save(self, checkpoint_dir: Path) -> None:
-        state = self.state()
-        if state is not None:
-            with atomic_write(checkpoint_dir / f"checkpoint-{self.step:08d}.pt", "wb") as f:
-                torch.save(state, f)
-            for _, old in checkpoints(checkpoint_dir)[: -self.params.keep_checkpoints]:
-                old.unlink()
+        parts = {name: part.state_dict() for name, part in self.parts.items()}  # every process: the RNGs gather
+        if self.acc.is_main_process:
+            step = self.progress.step
+            meta = ModelMeta(self.meta.config, self.meta.vocab_size, (step,))
+            write_checkpoint(checkpoint_dir, Checkpoint(step, meta, self.fingerprint, parts))
+            prune_checkpoints(checkpoint_dir, self.params.keep_checkpoints)
         self.acc.wait_for_everyone()
 
     def resume(self, checkpoint_dir: Path) -> None:
-        state = path = None
-        for _, path in reversed(checkpoints(checkpoint_dir)):
+        """Continue from the newest checkpoint that loads, if there is one and it is of this run."""
+        for _, path in reversed(list_checkpoints(checkpoint_dir)):
             try:
-                state = load_checkpoint(path)
+                checkpoint = read_checkpoint(path)
                 break
             except PipelineError as e:  # e.g. a disk that filled up: fall back to the one before
                 self.acc.print(f"warning: skipping {e}")
-        if state is None:
+        else:
             return
-        if state["fingerprint"] != self.fingerprint:
-            changed = _differences(state["fingerprint"], self.fingerprint)
+        if checkpoint.fingerprint != self.fingerprint:
+            changed = _differences(checkpoint.fingerprint, self.fingerprint)
             raise PipelineError(
                 f"{checkpoint_dir} holds a different training run ({', '.join(changed)} changed), so it cannot be "
                 f"resumed; move or delete that directory to start afresh")
-        self.acc.unwrap_model(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.acc.scaler is not None and state["scaler"] is not None:
-            self.acc.scaler.load_state_dict(state["scaler"])
-        self.sampler.load_state_dict(state["sampler"])
-        rng = state["rng"][self.acc.process_index]
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-        self.step = int(state["step"])
-        self.total_flops, self.total_seconds = float(state["total_flops"]), float(state["total_seconds"])
-        self.history, self.valid_history = list(state["history"]), list(state["valid_history"])
-        self.acc.print(f"resumed from {path} at step {self.step}")
+        if checkpoint.parts.keys() != self.parts.keys():
+            raise PipelineError(f"{path}: holds the parts {sorted(checkpoint.parts)}, "
+                                f"this run has {sorted(self.parts)}")
+        for name, part in self.parts.items():
+            part.load_state_dict(checkpoint.parts[name])
+        self.acc.print(f"resumed from {path} at step {self.progress.step}")
 
 
 def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -285,91 +265,75 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def _write_csv(path: Path, rows: list[dict[str, float]]) -> None:
-    with atomic_write(path) as f:
-        if rows:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+class CheckpointSchedule:
+    """When to save: every `checkpoint_every_steps` steps, every `checkpoint_every_minutes` by the main
+    process's clock (`agree` shares its decision, so every process saves at the same step), and at
+    the last step."""
+
+    def __init__(self, params: TrainParams, agree: Callable[[bool], bool],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.params, self.agree, self.clock = params, agree, clock
+        self.last_save = clock()
+
+    def due(self, step: int) -> bool:
+        p = self.params
+        due = (p.checkpoint_every_steps > 0 and step % p.checkpoint_every_steps == 0) or step == p.max_steps
+        if p.checkpoint_every_minutes > 0:
+            due = self.agree(self.clock() - self.last_save >= 60 * p.checkpoint_every_minutes) or due
+        return due
+
+    def saved(self) -> None:
+        self.last_save = self.clock()
 
 
-def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: str | Path, vocab_dir: str | Path,
-        checkpoint_dir: str | Path, plots_dir: str | Path, log: MetricsLogger | None = None,
+def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: InputPath, vocab_dir: InputPath,
+        checkpoint_dir: OutputPath, plots_dir: OutputPath, log: MetricsLogger | None = None,
         accelerator: Accelerator | None = None) -> dict[str, float]:
     """Train to `params.max_steps`, resuming from the newest checkpoint in `checkpoint_dir` if any.
     Writes checkpoints there and the loss curves <plots_dir>/train.csv and valid.csv."""
     encoded_dir = require_dir(encoded_dir, "encoded data (encode stage output)")
-    checkpoint_dir, plots_dir = Path(checkpoint_dir), Path(plots_dir)
-    acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=_precision(params.precision),
+    checkpoint_dir = Path(checkpoint_dir)
+    acc = accelerator or Accelerator(cpu=default_device().type == "cpu",
+                                     mixed_precision=mixed_precision(params.precision),
                                      dynamo_backend="inductor" if params.compile else "no")
     trainer = Trainer(model_config, params, encoded_dir=encoded_dir, vocab_dir=Path(vocab_dir), accelerator=acc)
     trainer.resume(checkpoint_dir)
-    main = acc.is_main_process
-    log = log if (log is not None and main) else (lambda metrics, step: None)
+    log = log if (log is not None and acc.is_main_process) else (lambda metrics, step: None)
     log({"parameters": trainer.n_parameters, "dropped_over_budget": trainer.dropped}, 0)
     acc.print(f"model: {trainer.n_parameters / 1e6:.1f}M parameters; {len(trainer.sampler)} batches per epoch "
               f"per process; {trainer.dropped} pairs over the batch budget dropped")
+    _loop(trainer, checkpoint_dir, log)
+    if not list_checkpoints(checkpoint_dir):
+        trainer.save(checkpoint_dir)  # max_steps 0 or already reached: still leave a model behind
+    if acc.is_main_process:
+        write_curves(plots_dir, trainer.progress)
+    acc.wait_for_everyone()
+    return summary(trainer.progress, trainer.n_parameters, acc.num_processes, trainer.peak)
 
-    bar = tqdm(total=params.max_steps, initial=trainer.step, desc="train", unit=" steps", disable=not main,
-               mininterval=2)
-    summed = ("loss_sum", "nll_sum", "tokens", "src_tokens", "src_slots", "tgt_slots", "binding", "flops")
-    window = dict.fromkeys((*summed, "time", "steps"), 0.0)
-    last_save = time.monotonic()
-    while trainer.step < params.max_steps:
-        t0 = time.perf_counter()
+
+def _loop(trainer: Trainer, checkpoint_dir: Path, log: MetricsLogger) -> None:
+    """Step to max_steps: log a row every log_every steps, validate, save when due."""
+    acc, params, progress = trainer.acc, trainer.params, trainer.progress
+    window = MetricsWindow(trainer.micro_tokens, params.grad_accum, acc.num_processes, trainer.peak)
+    saves = CheckpointSchedule(params, lambda late: bool(broadcast(torch.tensor([late], device=acc.device)).item()))
+    bar = tqdm(total=params.max_steps, initial=progress.step, desc="train", unit=" steps",
+               disable=not acc.is_main_process, mininterval=2)
+    while progress.step < params.max_steps:
+        start = time.perf_counter()
         out = trainer.train_step()
-        window["time"] += time.perf_counter() - t0
-        window["steps"] += 1
-        for k in summed:
-            window[k] += out[k]
+        window.add(out, time.perf_counter() - start)
         bar.update(1)
-        step = trainer.step
+        step = progress.step
         if step % params.log_every == 0 or step == params.max_steps:
-            sums = acc.reduce(torch.tensor([window[k] for k in summed], device=acc.device, dtype=torch.float64), "sum")
-            loss_sum, nll_sum, tokens, src_tokens, src_slots, tgt_slots, binding, flops = sums.tolist()
-            trainer.total_flops += flops
-            trainer.total_seconds += window["time"]
-            micro_batches = window["steps"] * params.grad_accum * acc.num_processes
-            row = {"step": step, "loss": loss_sum / tokens, "nll": nll_sum / tokens,
-                   "ppl": math.exp(min(nll_sum / tokens, 50.0)), "lr": out["lr"], "grad_norm": out["grad_norm"],
-                   "tgt_tokens_per_step": tokens / window["steps"],
-                   "tgt_tokens_per_sec": tokens / max(window["time"], 1e-9),
-                   "src_tokens_per_sec": src_tokens / max(window["time"], 1e-9),
-                   "src_padding": 1 - src_tokens / src_slots, "tgt_padding": 1 - tokens / tgt_slots,
-                   "batch_fill": binding / (micro_batches * trainer.micro_tokens),
-                   "tflops": flops / max(window["time"], 1e-9) / 1e12, "train_flops": trainer.total_flops}
-            if trainer.peak:  # model FLOPs utilisation of all the processes' accelerators
-                row["mfu"] = flops / max(window["time"], 1e-9) / (trainer.peak * acc.num_processes)
-            trainer.history.append(row)
-            log({k: v for k, v in row.items() if k != "step"}, step)
+            row, flops, seconds = window.close(step, out, lambda t: acc.reduce(t.to(acc.device), "sum").cpu())
+            progress.record(row, flops, seconds)
+            log({k: v for k, v in progress.history[-1].items() if k != "step"}, step)
             bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tgt_tokens_per_sec']:.0f}")
-            window = dict.fromkeys(window, 0.0)
         if step % params.validate_every == 0 or step == params.max_steps:
             valid = trainer.validate()
-            trainer.valid_history.append({"step": step, **valid})
+            progress.valid_history.append({"step": step, **valid})
             log(valid, step)
-        due = (params.checkpoint_every_steps > 0 and step % params.checkpoint_every_steps == 0) or step == params.max_steps
-        if params.checkpoint_every_minutes > 0:
-            late = time.monotonic() - last_save >= 60 * params.checkpoint_every_minutes
-            due = due or bool(broadcast(torch.tensor([late], device=acc.device)).item())  # the main process decides
-        if due:
+        if saves.due(step):
             trainer.save(checkpoint_dir)
-            last_save = time.monotonic()
+            saves.saved()
     bar.close()
-    if not checkpoints(checkpoint_dir):
-        trainer.save(checkpoint_dir)  # max_steps 0 or already reached: still leave a model behind
-    if main:
-        _write_csv(plots_dir / "train.csv", trainer.history)
-        _write_csv(plots_dir / "valid.csv", trainer.valid_history)
-    acc.wait_for_everyone()
-    final = trainer.history[-1] if trainer.history else {}
-    valid = {k: v for k, v in (trainer.valid_history[-1] if trainer.valid_history else {}).items() if k != "step"}
-    mean = lambda key: float(np.mean([r[key] for r in trainer.history if key in r] or [float("nan")]))  # noqa: E731
-    out = {"steps": trainer.step, "parameters": trainer.n_parameters,
-           "loss": final.get("loss", float("nan")), "nll": final.get("nll", float("nan")),
-           "tgt_tokens_per_sec": mean("tgt_tokens_per_sec"), "tflops": mean("tflops"),
-           "train_flops": trainer.total_flops, "train_hours": trainer.total_seconds / 3600,
-           "accelerator_hours": trainer.total_seconds / 3600 * acc.num_processes, **valid}
-    if trainer.peak:
-        out["mfu"] = mean("mfu")
-    return out

@@ -11,7 +11,7 @@ from typing import Literal
 
 import sentencepiece as spm
 
-from stages.io import PipelineError, read_manifest, require_dir, split_path
+from stages.io import InputPath, OutputPath, PipelineError, check, read_manifest, require_dir, split_path
 
 # Fixed ids the model relies on: padding is 0, and every sentence ends in EOS.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -23,11 +23,20 @@ class VocabParams:
     model_type: Literal["bpe", "unigram"]  # bpe: the paper's en-de; unigram: word-piece style, its en-fr
     vocab_size: int
     character_coverage: float
-    input_sentence_size: int  # lines sampled (per run, both languages together) to learn from
+    input_sentence_size: int  # lines sampled (per run, both languages together) to learn from; 0: all
     seed: int
 
+    def __post_init__(self) -> None:
+        check(self.vocab_size > EOS_ID + 1, "vocab_size",
+              f"must exceed the {EOS_ID + 1} special pieces, not {self.vocab_size}")
+        check(0 < self.character_coverage <= 1, "character_coverage",
+              f"is a fraction of characters, in (0, 1], not {self.character_coverage}")
+        check(self.input_sentence_size >= 0, "input_sentence_size",
+              f"must be 0 (all) or more, not {self.input_sentence_size}")
+        check(self.seed >= 0, "seed", f"must be 0 or more, not {self.seed}")
 
-def run(params: VocabParams, *, clean_dir: str | Path, out_dir: str | Path) -> dict[str, int]:
+
+def run(params: VocabParams, *, clean_dir: InputPath, out_dir: OutputPath) -> dict[str, int]:
     clean_dir = require_dir(clean_dir, "clean text (clean stage output)")
     src_lang, tgt_lang = read_manifest(clean_dir)
     inputs = [split_path(clean_dir, "train", lang) for lang in (src_lang, tgt_lang)]

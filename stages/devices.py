@@ -1,0 +1,33 @@
+"""Where the work runs: the accelerator when there is one, the precision it trains in, and its peak.
+
+One place for these choices, so training, decoding, the translate command, the served model and the
+benches all run on the same device with the same rules.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def default_device() -> torch.device:
+    """The GPU when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def mixed_precision(choice: str) -> str:
+    """train.precision as Accelerate names it: auto is bf16 on GPUs that have it, else fp32 ("no")."""
+    if choice == "auto":
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return {"fp32": "no"}.get(choice, choice)
+
+
+# Dense bf16/fp16 tensor-core peaks (vendor datasheets, FLOP/s), for model FLOPs utilisation.
+PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+              "A10G": 125e12, "L4": 121e12, "V100": 125e12}
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The accelerator's peak for the precision trained in, or None (CPUs, fp32, unknown GPUs)."""
+    if device.type != "cuda" or precision not in ("bf16", "fp16"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)

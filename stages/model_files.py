@@ -1,0 +1,128 @@
+"""The files a model lives in, and their one reader and writer.
+
+- A checkpoint (`<dir>/checkpoint-<step>.pt`, written by the train stage) holds everything a resumed
+  run needs: the training state's named parts (model weights, optimizer, schedule, sampler, RNG,
+  progress, ...), the fingerprint of the run that wrote it, and the model's metadata.
+- A model (`.safetensors`, written by the average stage) holds weights and metadata only: what
+  decoding and export read. Either kind of file can be read as a model.
+
+Both carry a `ModelMeta`, so a file alone rebuilds its Transformer. Loading runs no pickled code
+(torch's weights-only unpickler; safetensors), and every write is atomic: a checkpoint is complete
+once it has its final name, so the list of checkpoints is the list of files named as one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
+
+from stages.io import PipelineError, atomic_write
+from transformer.config import TransformerConfig
+
+CHECKPOINT_FORMAT = "transformer-pipeline/checkpoint/2"
+_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelMeta:
+    """What a file says of its model besides the weights."""
+
+    config: TransformerConfig
+    vocab_size: int
+    steps: tuple[int, ...]  # the training steps whose weights these are: one, or those averaged
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_config": dataclasses.asdict(self.config), "vocab_size": self.vocab_size,
+                "steps": list(self.steps)}
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str | Path) -> ModelMeta:
+        try:
+            return cls(TransformerConfig(**data["model_config"]), int(data["vocab_size"]),
+                       tuple(int(s) for s in data["steps"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PipelineError(f"{source}: its model metadata is incomplete or invalid ({e!r})") from None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    meta: ModelMeta
+    fingerprint: dict[str, Any]  # what identifies the training run (train stage): a resume must match it
+    parts: dict[str, Any]  # each named part of the training state; "model" holds the weights
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+def checkpoint_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"checkpoint-{step:08d}.pt"
+
+
+def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first, ordered by step number (never by file name)."""
+    found = []
+    for p in Path(directory).glob("checkpoint-*.pt"):
+        if m := _CHECKPOINT_NAME.match(p.name):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def write_checkpoint(directory: str | Path, checkpoint: Checkpoint) -> Path:
+    path = checkpoint_path(directory, checkpoint.step)
+    state = {"format": CHECKPOINT_FORMAT, "step": checkpoint.step, "meta": checkpoint.meta.to_dict(),
+             "fingerprint": checkpoint.fingerprint, "parts": checkpoint.parts}
+    with atomic_write(path, "wb") as f:
+        torch.save(state, f)
+    return path
+
+
+def prune_checkpoints(directory: str | Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints."""
+    for _, old in list_checkpoints(directory)[:-keep]:
+        old.unlink()
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """One of our checkpoints, loaded without running any pickled code."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to unpickle means: not a checkpoint of ours
+        raise PipelineError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise PipelineError(f"{path}: not a checkpoint written by this pipeline's train stage "
+                            f"(format {CHECKPOINT_FORMAT})")
+    return Checkpoint(int(state["step"]), ModelMeta.from_dict(state["meta"], path), state["fingerprint"],
+                      state["parts"])
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+def write_model(path: str | Path, weights: Weights, meta: ModelMeta) -> None:
+    """Weights as safetensors (no pickle, so loading runs no code), with the metadata beside them."""
+    with atomic_write(path, "wb") as f:
+        f.write(save({k: v.contiguous() for k, v in weights.items()}, metadata={"meta": json.dumps(meta.to_dict())}))
+
+
+def read_model(path: str | Path) -> tuple[Weights, ModelMeta]:
+    """(weights, metadata) of a model (.safetensors, the average stage's) or of a checkpoint (.pt)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"{path}: model file not found (has the train or average stage run?)")
+    if path.suffix == ".pt":
+        checkpoint = read_checkpoint(path)
+        return checkpoint.parts["model"], checkpoint.meta
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = json.loads((f.metadata() or {})["meta"])
+            weights = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, KeyError, ValueError) as e:
+        raise PipelineError(f"{path}: not a model written by this pipeline's average stage ({e})") from None
+    return weights, ModelMeta.from_dict(meta, path)

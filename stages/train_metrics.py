@@ -1,0 +1,114 @@
+"""What the train stage measures and keeps: a row of loss, speed and batching cost per log interval
+(MetricsWindow), the run's progress and curves (Progress, checkpointed with the rest of the training
+state), the curves as CSV for `dvc plots`, and the run's summary for metrics/train.json."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stages.io import atomic_write
+
+# What each optimizer step reports and a window sums: losses and tokens (real and padded), the
+# tokens of the side that binds the batch budget, and model FLOPs.
+SUMMED = ("loss_sum", "nll_sum", "tokens", "src_tokens", "src_slots", "tgt_slots", "binding", "flops")
+
+
+@dataclass
+class Progress:
+    """How far the run has come and what it has cost, over resumptions: the step, total FLOPs and
+    seconds, and the logged training and validation curves."""
+
+    step: int = 0
+    total_flops: float = 0.0
+    total_seconds: float = 0.0
+    history: list[dict[str, float]] = field(default_factory=list)
+    valid_history: list[dict[str, float]] = field(default_factory=list)
+
+    def record(self, row: dict[str, float], flops: float, seconds: float) -> None:
+        self.total_flops += flops
+        self.total_seconds += seconds
+        self.history.append({**row, "train_flops": self.total_flops})
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.total_flops, self.total_seconds = int(state["step"]), float(state["total_flops"]), \
+            float(state["total_seconds"])
+        self.history, self.valid_history = list(state["history"]), list(state["valid_history"])
+
+
+class MetricsWindow:
+    """The steps since the last log row: this process's sums of each step's counts, and their time."""
+
+    def __init__(self, micro_tokens: int, grad_accum: int, num_processes: int, peak: float | None) -> None:
+        self.micro_tokens, self.grad_accum, self.num_processes, self.peak = \
+            micro_tokens, grad_accum, num_processes, peak
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums = dict.fromkeys(SUMMED, 0.0)
+        self.seconds, self.steps = 0.0, 0
+
+    def add(self, step: dict[str, float], seconds: float) -> None:
+        for key in SUMMED:
+            self.sums[key] += step[key]
+        self.seconds += seconds
+        self.steps += 1
+
+    def close(self, step: int, last: dict[str, float],
+              reduce: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict[str, float], float, float]:
+        """(row, FLOPs, seconds) of the window, summed over processes by `reduce`; then start afresh.
+        `last` is the newest step's report, whose learning rate and gradient norm the row shows."""
+        sums = dict(zip(SUMMED, reduce(torch.tensor([self.sums[k] for k in SUMMED], dtype=torch.float64)).tolist()))
+        tokens, seconds = sums["tokens"], max(self.seconds, 1e-9)
+        micro_batches = self.steps * self.grad_accum * self.num_processes
+        row = {"step": step, "loss": sums["loss_sum"] / tokens, "nll": sums["nll_sum"] / tokens,
+               "ppl": math.exp(min(sums["nll_sum"] / tokens, 50.0)), "lr": last["lr"], "grad_norm": last["grad_norm"],
+               "tgt_tokens_per_step": tokens / self.steps, "tgt_tokens_per_sec": tokens / seconds,
+               "src_tokens_per_sec": sums["src_tokens"] / seconds,
+               "src_padding": 1 - sums["src_tokens"] / sums["src_slots"],
+               "tgt_padding": 1 - tokens / sums["tgt_slots"],
+               "batch_fill": sums["binding"] / (micro_batches * self.micro_tokens),
+               "tflops": sums["flops"] / seconds / 1e12}
+        if self.peak:  # model FLOPs utilisation of all the processes' accelerators
+            row["mfu"] = sums["flops"] / seconds / (self.peak * self.num_processes)
+        out = (row, sums["flops"], self.seconds)
+        self._reset()
+        return out
+
+
+def write_curves(plots_dir: str | Path, progress: Progress) -> None:
+    """<plots_dir>/train.csv and valid.csv, one row per logged step, for `dvc plots`."""
+    for name, rows in (("train.csv", progress.history), ("valid.csv", progress.valid_history)):
+        with atomic_write(Path(plots_dir) / name) as f:
+            if rows:
+                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
+
+
+def summary(progress: Progress, parameters: int, num_processes: int, peak: float | None) -> dict[str, float]:
+    """The run's figures for metrics/train.json: where it ended, its mean speed and its total cost."""
+    final = progress.history[-1] if progress.history else {}
+    valid = {k: v for k, v in (progress.valid_history[-1] if progress.valid_history else {}).items() if k != "step"}
+
+    def mean(key: str) -> float:
+        return float(np.mean([r[key] for r in progress.history if key in r] or [float("nan")]))
+
+    out = {"steps": progress.step, "parameters": parameters,
+           "loss": final.get("loss", float("nan")), "nll": final.get("nll", float("nan")),
+           "tgt_tokens_per_sec": mean("tgt_tokens_per_sec"), "tflops": mean("tflops"),
+           "train_flops": progress.total_flops, "train_hours": progress.total_seconds / 3600,
+           "accelerator_hours": progress.total_seconds / 3600 * num_processes, **valid}
+    if peak:
+        out["mfu"] = mean("mfu")
+    return out
