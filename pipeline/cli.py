@@ -1,5 +1,5 @@
 """The one command line: every stage by name (as dvc.yaml runs them), the whole pipeline as a
-Prefect flow, and presets.
+Prefect flow, presets, and translating with a trained model.
 
     python -m pipeline clean --raw-dir data/raw --out-dir data/clean --metrics metrics/clean.json
     python -m pipeline run --preset quickstart -S train.max_steps=500
@@ -9,89 +9,22 @@ Prefect flow, and presets.
 from __future__ import annotations
 
 import argparse
-import json
+import shlex
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from pipeline import config, tracking
+from pipeline import config, dag, presets, stage
 from pipeline.config import Params
-from stages import average, clean, decode, download, encode, export, score, train, vocab
-from stages.io import PipelineError, file_digest, write_json
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """How the command line calls one stage: its params sections and its path arguments."""
-
-    sections: tuple[str, ...]  # params.yaml sections the stage reads (dvc.yaml lists the same)
-    inputs: tuple[str, ...]  # path arguments it reads, hashed into the MLflow tags
-    outputs: tuple[str, ...]  # path arguments it writes
-    call: Callable[[Params, dict[str, Path], tracking.Tracker], dict[str, Any]]
-    artifacts: tuple[str, ...] = ()  # outputs logged to MLflow
-    system_metrics: bool = False  # CPU/GPU/memory use sampled into the MLflow run
-    source_digest: Callable[[Params], str] | None = None  # identifies inputs named by params, not paths
-
-
-STAGES: dict[str, StageSpec] = {
-    "download": StageSpec(
-        ("download",), (), ("out_dir",), lambda p, a, t: download.run(p.download, **a),
-        source_digest=lambda p: download.source_digest(p.download)),
-    "clean": StageSpec(("clean",), ("raw_dir",), ("out_dir",), lambda p, a, t: clean.run(p.clean, **a)),
-    "vocab": StageSpec(("vocab",), ("clean_dir",), ("out_dir",), lambda p, a, t: vocab.run(p.vocab, **a),
-                       artifacts=("out_dir",)),
-    "encode": StageSpec((), ("clean_dir", "vocab_dir"), ("out_dir",), lambda p, a, t: encode.run(**a)),
-    "train": StageSpec(("model", "train"), ("encoded_dir", "vocab_dir"), ("checkpoint_dir", "plots_dir"),
-                       lambda p, a, t: train.run(p.model, p.train, **a, log=t.log_metrics),
-                       artifacts=("plots_dir",), system_metrics=True),
-    "average": StageSpec(("average",), ("checkpoint_dir",), ("out_path",),
-                         lambda p, a, t: average.run(p.average, **a), artifacts=("out_path",)),
-    "decode": StageSpec(("decode",), ("model_path", "vocab_dir", "clean_dir"), ("out_dir",),
-                        lambda p, a, t: decode.run(p.decode, **a), artifacts=("out_dir",)),
-    "export": StageSpec((), ("model_path", "vocab_dir"), ("marian_dir", "ctranslate2_dir"),
-                        lambda p, a, t: export.run(**a), artifacts=("marian_dir",)),
-    "score": StageSpec(("score",), ("hyp_dir", "ref_dir"), (), lambda p, a, t: score.run(p.score, **a)),
-}
-
-
-def run_stage(name: str, paths: dict[str, Path], metrics_path: Path | None,
-              params_path: Path = config.PARAMS_FILE) -> dict[str, Any]:
-    """Run one stage as DVC, the flow and a user at the shell all do: load params, track, run, record."""
-    spec = STAGES[name]
-    params = config.load_params(params_path)
-    sections = {s: getattr(params, s) for s in spec.sections}
-    flat = {f"{s}.{k}": v for s, section in sections.items() for k, v in config.as_flat_dict(section).items()}
-    hashed = {f"data.{k}": file_digest(paths[k]) for k in spec.inputs if paths[k].exists()}
-    if spec.source_digest is not None:
-        hashed["data.source"] = spec.source_digest(params)
-    experiment = tracking.experiment_name(params.download.src_lang, params.download.tgt_lang)
-    with tracking.stage_run(name, experiment, flat, hashed, spec.system_metrics) as tracker:
-        metrics = spec.call(params, paths, tracker)
-        tracker.log_metrics(metrics)
-        if metrics_path is not None and tracking.is_main_process():
-            write_json(metrics_path, metrics)
-            tracker.log_artifact(metrics_path)
-        for out in spec.artifacts:
-            tracker.log_artifact(paths[out])
-    return metrics
-
-
-def _option(name: str) -> str:
-    return "--" + name.replace("_", "-")
+from stages import vocab
+from stages.io import PipelineError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, spec in STAGES.items():
-        p = sub.add_parser(name, help=f"run the {name} stage alone")
-        for arg in spec.inputs + spec.outputs:
-            p.add_argument(_option(arg), dest=arg, type=Path, required=True)
-        p.add_argument("--metrics", type=Path, help="write the stage's metrics here (JSON)")
-        p.add_argument("--params", type=Path, default=config.PARAMS_FILE, help="parameters file (params.yaml)")
+    for name, desc in dag.stage_descriptions().items():  # parsed by pipeline.stage; listed here
+        sub.add_parser(name, help=f"stage: {desc}")
     run = sub.add_parser("run", help="apply presets and overrides to params.yaml, then run the Prefect flow")
     quick = sub.add_parser("quickstart", help="the whole pipeline on the bundled corpus, in minutes on a CPU")
     for p in (run, quick):
@@ -108,35 +41,37 @@ def build_parser() -> argparse.ArgumentParser:
     preset.add_argument("names", nargs="*")
     preset.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     preset.add_argument("--dvc-args", action="store_true", help="print the -S arguments for `dvc exp run` instead")
+    paths = dag.paths()
     translate = sub.add_parser("translate", help="translate lines of a file (or standard input) to standard output")
     translate.add_argument("input", nargs="?", type=Path, help="text, one sentence a line (default: standard input)")
-    translate.add_argument("--model", type=Path, default=Path(DVC_PATHS["model"]),
+    translate.add_argument("--model", type=Path, default=Path(paths["model"]),
                            help="an averaged model (.safetensors) or a training checkpoint (.pt)")
-    translate.add_argument("--vocab-dir", type=Path, default=Path(DVC_PATHS["vocab"]))
+    translate.add_argument("--vocab-dir", type=Path, default=Path(paths["vocab"]))
     translate.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="decode.KEY=VALUE",
                            help="decoding parameters for this run only (params.yaml's decode section otherwise)")
     translate.add_argument("--params", type=Path, default=config.PARAMS_FILE)
     return parser
 
 
-DVC_PATHS = config.dvc_paths()
-
-
 def translate_command(args: argparse.Namespace) -> None:
     import dataclasses
 
-    import torch
+    from stages import decode
+    from stages.devices import default_device
 
     params = config.load_params(args.params).decode
-    changes = dict(config.parse_override(o) for o in args.overrides)
+    changes = dict(presets.parse_override(o) for o in args.overrides)
     unknown = [k for k in changes if not k.startswith("decode.") or not hasattr(params, k.split(".", 1)[1])]
     if unknown:
         raise PipelineError(f"translate takes decode.* parameters only, not {', '.join(unknown)}")
-    params = dataclasses.replace(params, **{k.split(".", 1)[1]: v for k, v in changes.items()})
+    try:
+        params = dataclasses.replace(params, **{k.split(".", 1)[1]: v for k, v in changes.items()})
+    except ValueError as e:  # a check of DecodeParams: (key, message)
+        raise PipelineError(f"-S decode.{e.args[0]}: {e.args[-1]}") from None
     if args.input is not None and not args.input.is_file():
         raise PipelineError(f"{args.input}: input file not found")
     lines = [line.rstrip("\n") for line in (args.input.open(encoding="utf-8") if args.input else sys.stdin)]
-    model = decode.load_translator(args.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    model = decode.load_translator(args.model, default_device())
     for line in decode.translate(model, vocab.load(args.vocab_dir), lines, params, desc="translate"):
         print(line)
 
@@ -152,53 +87,33 @@ def model_size(params: Params) -> str:
     return f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters with a {params.vocab.vocab_size}-piece vocabulary"
 
 
-def dvc_set_args(overrides: dict[str, Any]) -> list[str]:
-    """['-S', 'key=value', ...] as `dvc exp run` takes them (values written as YAML/JSON)."""
-    out = []
-    for k, v in overrides.items():
-        out += ["-S", f"{k}={v if isinstance(v, str) else json.dumps(v)}"]
-    return out
-
-
 def table3_command(names: list[str], queue: bool) -> None:
-    import shlex
     import subprocess
 
-    rows = config.table3_rows()
+    rows = presets.table3_rows()
     unknown = [n for n in names if n not in rows]
     if unknown:
-        raise PipelineError(f"{config.TABLE3_FILE}: no row {', '.join(unknown)} (known: {', '.join(rows)})")
+        raise PipelineError(f"{presets.TABLE3_FILE}: no row {', '.join(unknown)} (known: {', '.join(rows)})")
     for name in names or rows:
-        command = ["dvc", "exp", "run", "--queue", "-n", f"table3-{name}", *dvc_set_args(rows[name])]
+        command = ["dvc", "exp", "run", "--queue", "-n", f"table3-{name}", *presets.dvc_set_args(rows[name])]
         if queue:
             subprocess.run([sys.executable, "-m", *command], cwd=config.ROOT, check=True)
         else:
             print(shlex.join(command))
 
 
-def collect_overrides(presets: list[str], overrides: list[str]) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for name in presets:
-        merged.update(config.load_preset(name))
-    merged.update(dict(config.parse_override(o) for o in overrides))
-    return merged
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in dag.stage_descriptions():
+        return stage.main(argv, prog="python -m pipeline")
     args = build_parser().parse_args(argv)
     try:
-        if args.command in STAGES:
-            spec = STAGES[args.command]
-            paths = {k: getattr(args, k) for k in spec.inputs + spec.outputs}
-            run_stage(args.command, paths, args.metrics, args.params)
-        elif args.command == "preset":
-            overrides = collect_overrides(args.names, args.overrides)
+        if args.command == "preset":
+            overrides = presets.collect_overrides(args.names, args.overrides)
             if args.dvc_args:
-                import shlex
-
-                print(shlex.join(dvc_set_args(overrides)))
+                print(shlex.join(presets.dvc_set_args(overrides)))
             else:
-                params = config.apply_overrides(overrides)
+                params = presets.apply_overrides(overrides)
                 print(f"params.yaml: set {', '.join(overrides) or 'nothing'}")
                 print(model_size(params))
         elif args.command == "translate":
@@ -216,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from pipeline import flow
 
-            presets = ["quickstart", *args.preset] if args.command == "quickstart" else args.preset
-            flow.pipeline(presets=presets, overrides=collect_overrides([], args.overrides))
+            names = ["quickstart", *args.preset] if args.command == "quickstart" else args.preset
+            flow.pipeline(presets=names, overrides=presets.collect_overrides([], args.overrides))
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,13 +1,12 @@
 """params.yaml -> frozen, typed objects, composed from each stage's own params class.
 
-Every key must be known and present: a typo or a forgotten key stops the run with the file, the
-line and the key named, before any stage does work. Presets (presets/<name>.yaml) are sets of
-dotted-key overrides, layered onto params.yaml as `dvc exp run -S key=value` does.
+Every key must be known and present, and every value is checked by its class when it loads (each
+params class's __post_init__ raises ValueError(key, message)): a typo, a forgotten key or a value
+out of range stops the run with the file, the line and the key named, before any stage does work.
 """
 from __future__ import annotations
 
 import dataclasses
-import io
 import types
 import typing
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from stages.average import AverageParams
 from stages.clean import CleanParams
 from stages.decode import DecodeParams
 from stages.download import DownloadParams
-from stages.io import PipelineError, atomic_write
+from stages.io import PipelineError
 from stages.score import ScoreParams
 from stages.train import TrainParams
 from stages.vocab import VocabParams
@@ -28,8 +27,6 @@ from transformer import TransformerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 PARAMS_FILE = ROOT / "params.yaml"
-PRESETS_DIR = ROOT / "presets"
-TABLE3_FILE = ROOT / "experiments/table3.yaml"
 
 
 @dataclass(frozen=True)
@@ -42,6 +39,11 @@ class Params:
     average: AverageParams
     decode: DecodeParams
     score: ScoreParams
+
+    def __post_init__(self) -> None:  # checks across sections
+        if self.train.keep_checkpoints < self.average.last:
+            raise ValueError("train.keep_checkpoints", f"{self.train.keep_checkpoints} would delete checkpoints that "
+                                                       f"average.last ({self.average.last}) averages")
 
 
 class ConfigError(PipelineError):
@@ -130,14 +132,10 @@ def _build(cls: type, data: dict[str, Any], prefix: str, src: _Source) -> Any:
     values = {n: _convert(hints[n], data[n], prefix + n, src) for n in names}
     try:
         return cls(**values)
-    except ValueError as e:  # a check across keys, in the class's own __post_init__
+    except ValueError as e:  # a check of the class's own __post_init__: ValueError(key, message)
+        if len(e.args) == 2 and isinstance(e.args[0], str):
+            raise src.error(prefix + e.args[0], e.args[1]) from None
         raise src.error(prefix.rstrip(".") or names[0], str(e)) from None
-
-
-def dvc_paths() -> dict[str, str]:
-    """The paths dvc.yaml names once in its vars, for commands that default to the pipeline's outputs."""
-    data = yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))
-    return next(v["paths"] for v in data["vars"] if isinstance(v, dict) and "paths" in v)
 
 
 def parse_params(text: str, name: str) -> Params:
@@ -175,73 +173,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
-
-
-# -- presets and overrides ----------------------------------------------------------------------
-
-def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
-
-
-def load_preset(name: str) -> dict[str, Any]:
-    path = PRESETS_DIR / f"{name}.yaml"
-    if not path.is_file():
-        raise ConfigError(f"no preset '{name}' (known: {', '.join(preset_names())})")
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of dotted keys to values")
-    return data
-
-
-def table3_rows() -> dict[str, dict[str, Any]]:
-    """Row name -> overrides (the common ones included) of the paper's Table 3 experiments."""
-    data = yaml.safe_load(TABLE3_FILE.read_text(encoding="utf-8"))
-    return {name: {**data["common"], **row} for name, row in data["rows"].items()}
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """'train.max_steps=300000' -> ('train.max_steps', 300000), values read as YAML, as DVC's -S."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override {text!r}: expected key=value")
-    return key.strip(), yaml.safe_load(value)
-
-
-def _flow_style(value: Any) -> Any:
-    """Mappings and lists written inline ({src: a, tgt: b}), as params.yaml writes them."""
-    from ruamel.yaml.comments import CommentedMap, CommentedSeq
-
-    if isinstance(value, dict):
-        node = CommentedMap((k, _flow_style(v)) for k, v in value.items())
-    elif isinstance(value, list):
-        node = CommentedSeq(_flow_style(v) for v in value)
-    else:
-        return value
-    node.fa.set_flow_style()
-    return node
-
-
-def apply_overrides(overrides: dict[str, Any], path: str | Path = PARAMS_FILE) -> Params:
-    """Set dotted keys in params.yaml, keeping its comments, after checking the result is valid."""
-    from ruamel.yaml import YAML  # DVC's own YAML library, which keeps comments
-
-    path = Path(path)
-    rt = YAML()
-    rt.preserve_quotes = True
-    data = rt.load(path.read_text(encoding="utf-8"))
-    for key, value in overrides.items():
-        node, *_ = parts = key.split(".")
-        node = data
-        for part in parts[:-1]:
-            if not isinstance(node, dict) or part not in node:
-                raise ConfigError(f"{path}: override {key}: unknown key")
-            node = node[part]
-        if not isinstance(node, dict) or parts[-1] not in node:
-            raise ConfigError(f"{path}: override {key}: unknown key")
-        node[parts[-1]] = _flow_style(value)
-    buffer = io.StringIO()
-    rt.dump(data, buffer)
-    params = parse_params(buffer.getvalue(), f"{path} (with overrides {', '.join(overrides)})")
-    with atomic_write(path) as f:
-        f.write(buffer.getvalue())
-    return params

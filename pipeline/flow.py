@@ -28,22 +28,13 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from pipeline import config, tracking
+from pipeline import config, dag, registry, tracking
+from pipeline import presets as presets_module  # the flow's parameter is named presets
 from stages.io import PipelineError, read_json
 
-METRICS_DIR = config.ROOT / "metrics"
+METRICS_DIR = config.ROOT / dag.paths()["metrics"]
 DEPLOYMENT = "transformer-pipeline"
 RETRIES = {"download": 3}  # stage -> retries; the others fail for reasons a retry does not fix
-
-
-def dvc_stages(root: Path = config.ROOT) -> list[str]:
-    """Stage names of dvc.yaml, each after every stage it depends on (DVC's own graph)."""
-    import networkx as nx
-    from dvc.repo import Repo
-
-    with Repo(str(root)) as repo:
-        graph = repo.index.graph  # edges point from a stage to the stages it depends on
-        return [stage.addressing for stage in reversed(list(nx.topological_sort(graph)))]
 
 
 def _stream(proc: subprocess.Popen, logger: Any) -> list[str]:
@@ -82,23 +73,20 @@ def run_stage(stage: str) -> str:
 @flow(name="transformer-pipeline", log_prints=True)
 def pipeline(presets: list[str] | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Apply presets and overrides to params.yaml, then run every stage of dvc.yaml in order."""
-    merged: dict[str, Any] = {}
-    for name in presets or []:
-        merged.update(config.load_preset(name))
-    merged.update(overrides or {})
-    params = config.apply_overrides(merged) if merged else config.load_params()
+    merged = {**presets_module.collect_overrides(presets or [], []), **(overrides or {})}
+    params = presets_module.apply_overrides(merged) if merged else config.load_params()
     experiment = tracking.experiment_name(params.download.src_lang, params.download.tgt_lang)
     tags = {"presets": ",".join(presets or []) or "none", "prefect_flow_run_id": str(flow_run.get_id())}
     with tracking.pipeline_run(experiment, config.as_flat_dict(params), tags) as parent:
         states = {}
-        for stage in dvc_stages():
+        for stage in dag.stage_order():
             retries = RETRIES.get(stage, 0)
             states[stage] = run_stage.with_options(retries=retries, retry_delay_seconds=30)(stage)
             parent.set_tags({f"stage.{stage}": states[stage]})
         scores = read_json(METRICS_DIR / "score.json")
         parent.log_metrics(scores)
         parent.log_artifact(METRICS_DIR / "score.json")
-        version = tracking.register_model(parent, params, scores["test"]["bleu"])
+        version = registry.register_model(parent, params, scores["test"]["bleu"])
         create_markdown_artifact(key="bleu", markdown=report_markdown(scores, parent, version, presets or []),
                                  description="BLEU of this pipeline run")
     print(f"test BLEU {scores['test']['bleu']:.2f} ({scores['test']['bleu_signature']})")
@@ -124,4 +112,4 @@ def report_markdown(scores: dict[str, Any], parent: tracking.Tracker, version: s
 def serve() -> None:
     """Serve the flow as a deployment: the Prefect UI's "Run" takes presets and overrides."""
     pipeline.serve(name=DEPLOYMENT, parameters={"presets": [], "overrides": {}},
-                   description="The Transformer pipeline of dvc.yaml; presets: " + ", ".join(config.preset_names()))
+                   description="The Transformer pipeline of dvc.yaml; presets: " + ", ".join(presets_module.preset_names()))

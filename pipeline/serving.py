@@ -17,13 +17,11 @@ from mlflow.pyfunc import PythonModel
 
 class Translator(PythonModel):
     def load_context(self, context: Any) -> None:
-        import torch
-
         from stages import vocab
         from stages.decode import DecodeParams, load_translator
+        from stages.devices import default_device
 
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_translator(context.artifacts["model"], device)
+        self.model = load_translator(context.artifacts["model"], default_device())
         self.sp = vocab.load(context.artifacts["vocab"])
         self.params = DecodeParams(**json.loads(Path(context.artifacts["decode"]).read_text(encoding="utf-8")))
 

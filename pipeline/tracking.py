@@ -159,6 +159,11 @@ def _system_metrics(run_id: str) -> Iterator[None]:
         yield
     finally:
         monitor.finish()
+        # MLflow publishes at the end of each interval: publish the last, partial one too, so that a stage
+        # shorter than one interval still records its use
+        if last := monitor.aggregate_metrics():
+            monitor.publish_metrics(last)
+            monitor.mlflow_logger.flush()
 
 
 @contextlib.contextmanager
@@ -215,42 +220,3 @@ def run_url(tracker: Tracker) -> str | None:
         return None
     ui = os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
     return f"{ui}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
-
-
-def register_model(parent: Tracker, params: Any, test_bleu: float) -> str | None:
-    """Log the averaged model as a pyfunc that translates (pipeline/serving.py) into the pipeline's
-    run, register it as `transformer-<src>-<tgt>`, and point that model's alias `best` at the
-    version with the highest test BLEU. Returns the new version, or None when not tracked."""
-    if parent.run_id is None:
-        return None
-    import dataclasses
-    import tempfile
-
-    import mlflow
-    import torch
-    from mlflow.models import infer_signature
-
-    from pipeline.config import dvc_paths
-
-    paths = dvc_paths()
-    name = experiment_name(params.download.src_lang, params.download.tgt_lang)
-    mlflow.set_tracking_uri(tracking_uri())
-    with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_id=parent.run_id):
-        # decoding parameters as a file the model carries (a model_config would also become unprefixed run params)
-        decode_file = Path(tmp) / "decode.json"
-        decode_file.write_text(json.dumps(dataclasses.asdict(params.decode)), encoding="utf-8")
-        info = mlflow.pyfunc.log_model(
-            name="translator", python_model=str(ROOT / "pipeline/serving.py"),
-            artifacts={"model": str(ROOT / paths["model"]), "vocab": str(ROOT / paths["vocab"]),
-                       "decode": str(decode_file)},
-            code_paths=[str(ROOT / "stages"), str(ROOT / "transformer")], registered_model_name=name,
-            signature=infer_signature(["Hello world."], ["Hallo Welt."]),
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "sentencepiece", "safetensors", "numpy",
-                              "tqdm", "accelerate"])
-    version = str(info.registered_model_version)
-    client = parent.client
-    client.set_model_version_tag(name, version, "test_bleu", f"{test_bleu:.4f}")
-    best = max(client.search_model_versions(f"name = '{name}'"),
-               key=lambda v: float(v.tags.get("test_bleu", "-inf")))
-    client.set_registered_model_alias(name, "best", best.version)
-    return version

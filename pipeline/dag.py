@@ -1,0 +1,35 @@
+"""dvc.yaml, the pipeline's one DAG, as the orchestration reads it: the paths it names once (its
+`vars`), its stages with their descriptions, and their dependency order (DVC's own graph)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from pipeline.config import ROOT
+
+DVC_FILE = ROOT / "dvc.yaml"
+
+
+def _read() -> dict:
+    return yaml.safe_load(DVC_FILE.read_text(encoding="utf-8"))
+
+
+def paths() -> dict[str, str]:
+    """The paths dvc.yaml names once in its vars, for commands that default to the pipeline's outputs."""
+    return next(v["paths"] for v in _read()["vars"] if isinstance(v, dict) and "paths" in v)
+
+
+def stage_descriptions() -> dict[str, str]:
+    """Stage name -> its `desc`, in the order dvc.yaml lists them."""
+    return {name: stage.get("desc", "") for name, stage in _read()["stages"].items()}
+
+
+def stage_order(root: Path = ROOT) -> list[str]:
+    """Stage names, each after every stage it depends on."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        graph = repo.index.graph  # edges point from a stage to the stages it depends on
+        return [stage.addressing for stage in reversed(list(nx.topological_sort(graph)))]

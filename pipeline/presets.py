@@ -1,0 +1,102 @@
+"""Changing params.yaml: presets (presets/<name>.yaml, sets of dotted-key overrides), `-S key=value`
+overrides and the paper's Table 3 rows, layered onto params.yaml as `dvc exp run -S` does, its
+comments kept. The result is checked as params.yaml itself is before anything is written."""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.config import PARAMS_FILE, ROOT, ConfigError, Params, parse_params
+from stages.io import atomic_write
+
+PRESETS_DIR = ROOT / "presets"
+TABLE3_FILE = ROOT / "experiments/table3.yaml"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    path = PRESETS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"no preset '{name}' (known: {', '.join(preset_names())})")
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of dotted keys to values")
+    return data
+
+
+def table3_rows() -> dict[str, dict[str, Any]]:
+    """Row name -> overrides (the common ones included) of the paper's Table 3 experiments."""
+    data = yaml.safe_load(TABLE3_FILE.read_text(encoding="utf-8"))
+    return {name: {**data["common"], **row} for name, row in data["rows"].items()}
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'train.max_steps=300000' -> ('train.max_steps', 300000), values read as YAML, as DVC's -S."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r}: expected key=value")
+    return key.strip(), yaml.safe_load(value)
+
+
+def collect_overrides(presets: list[str], overrides: list[str]) -> dict[str, Any]:
+    """Presets in order, then `key=value` overrides: one mapping of dotted keys to values."""
+    merged: dict[str, Any] = {}
+    for name in presets:
+        merged.update(load_preset(name))
+    merged.update(dict(parse_override(o) for o in overrides))
+    return merged
+
+
+def dvc_set_args(overrides: dict[str, Any]) -> list[str]:
+    """['-S', 'key=value', ...] as `dvc exp run` takes them (values written as YAML/JSON)."""
+    out = []
+    for k, v in overrides.items():
+        out += ["-S", f"{k}={v if isinstance(v, str) else json.dumps(v)}"]
+    return out
+
+
+def _flow_style(value: Any) -> Any:
+    """Mappings and lists written inline ({src: a, tgt: b}), as params.yaml writes them."""
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+    if isinstance(value, dict):
+        node = CommentedMap((k, _flow_style(v)) for k, v in value.items())
+    elif isinstance(value, list):
+        node = CommentedSeq(_flow_style(v) for v in value)
+    else:
+        return value
+    node.fa.set_flow_style()
+    return node
+
+
+def apply_overrides(overrides: dict[str, Any], path: str | Path = PARAMS_FILE) -> Params:
+    """Set dotted keys in params.yaml, keeping its comments, after checking the result is valid."""
+    from ruamel.yaml import YAML  # DVC's own YAML library, which keeps comments
+
+    path = Path(path)
+    rt = YAML()
+    rt.preserve_quotes = True
+    data = rt.load(path.read_text(encoding="utf-8"))
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            if not isinstance(node, dict) or part not in node:
+                raise ConfigError(f"{path}: override {key}: unknown key")
+            node = node[part]
+        if not isinstance(node, dict) or leaf not in node:
+            raise ConfigError(f"{path}: override {key}: unknown key")
+        node[leaf] = _flow_style(value)
+    buffer = io.StringIO()
+    rt.dump(data, buffer)
+    params = parse_params(buffer.getvalue(), f"{path} (with overrides {', '.join(overrides)})")
+    with atomic_write(path) as f:
+        f.write(buffer.getvalue())
+    return params
