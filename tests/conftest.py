@@ -1,12 +1,45 @@
+"""Shared fixtures: the real WMT14 data beside the checkout, a tracking store per test, and the
+stages chained as the DAG chains them (download -> clean -> vocab -> encode -> train -> average) on
+real text, each run once per session in a temporary directory."""
 import os
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SHARED = Path(os.environ.get("SHARED_DATA", ROOT.parent / "shared" / "data"))
+from bench import SHARED
+from stages import average, clean, download, encode, train, vocab
+from stages.io import ParallelFiles
+from transformer import TransformerConfig
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+TRAIN_LINES = 3000  # of each shared training sample, to keep the suite fast
+CLEAN = clean.CleanParams(max_tokens=80, max_ratio=1.5, drop_duplicates=True, normalize_punctuation=True,
+                          unicode_form="NFC", invalid_utf8="error", workers=2)
+TINY = TransformerConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=1, decoder_layers=1, dropout=0.1,
+                         attention_dropout=0.0, norm="post", positions="sinusoidal", max_positions=512)
+
+
+def train_params(**changes) -> train.TrainParams:
+    p = dict(max_steps=6, batch_tokens=1500, grad_accum=1, warmup_steps=4, adam_betas=(0.9, 0.98), adam_eps=1e-9,
+             label_smoothing=0.1, clip_norm=0.0, precision="fp32", compile=False, seed=1, log_every=2,
+             validate_every=3, checkpoint_every_steps=2, checkpoint_every_minutes=0.0, keep_checkpoints=20)
+    p.update(changes)
+    return train.TrainParams(**p)
+
+
+def download_params(shared: Path, work: Path, **changes) -> download.DownloadParams:
+    local = dict(dir=str(work / "corpus"),
+                 train=(ParallelFiles("europarl-v7.first10k.en", "europarl-v7.first10k.de"),
+                        ParallelFiles("news-commentary.first10k.en", "news-commentary.first10k.de")),
+                 dev=ParallelFiles(str(shared / "wmt14/newstest2013/newstest2013.en"),
+                                   str(shared / "wmt14/newstest2013/newstest2013.de")),
+                 test=ParallelFiles(str(shared / "wmt14/newstest2014-full/newstest2014-deen-src.en.txt"),
+                                    str(shared / "wmt14/newstest2014-full/newstest2014-deen-ref.de.txt")))
+    local.update(changes)
+    wmt = download.Wmt14Source(corpora=("europarl-v7",), test="full", mirrors=(), archive_dir=str(work / "archives"))
+    return download.DownloadParams(source="local", src_lang="en", tgt_lang="de", wmt14=wmt,
+                                   local=download.LocalSource(**local))
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +53,59 @@ def shared() -> Path:
 def _no_tracking_in_the_working_tree(tmp_path, monkeypatch):
     """Stages called through the command line track into a store of the test's own."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+@pytest.fixture(scope="session")
+def work(tmp_path_factory, shared):
+    """A corpus directory of real WMT14 text: Europarl and News Commentary samples (with their blank
+    lines and carriage returns), newstest2013 as dev and newstest2014 (full) as test."""
+    root = tmp_path_factory.mktemp("stages")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    sample = shared / "wmt14/train-sample/uedin-toy"
+    for name in ("europarl-v7.first10k", "news-commentary.first10k"):
+        for lang in ("en", "de"):
+            with open(sample / f"{name}.{lang}", "rb") as f:
+                head = b"".join(line for _, line in zip(range(TRAIN_LINES), f))
+            (corpus / f"{name}.{lang}").write_bytes(head)
+    return root
+
+
+@pytest.fixture(scope="session")
+def raw(shared, work):
+    metrics = download.run(download_params(shared, work), out_dir=work / "raw")
+    return work / "raw", metrics
+
+
+@pytest.fixture(scope="session")
+def cleaned(raw, work):
+    metrics = clean.run(CLEAN, raw_dir=raw[0], out_dir=work / "clean")
+    return work / "clean", metrics
+
+
+@pytest.fixture(scope="session")
+def vocab_dir(cleaned, work):
+    params = vocab.VocabParams(model_type="bpe", vocab_size=1000, character_coverage=1.0,
+                               input_sentence_size=100000, seed=1)
+    metrics = vocab.run(params, clean_dir=cleaned[0], out_dir=work / "vocab")
+    assert metrics == {"vocab_size": 1000}
+    return work / "vocab"
+
+
+@pytest.fixture(scope="session")
+def encoded(cleaned, vocab_dir, work):
+    metrics = encode.run(clean_dir=cleaned[0], vocab_dir=vocab_dir, out_dir=work / "encoded")
+    return work / "encoded", metrics
+
+
+@pytest.fixture(scope="session")
+def trained(encoded, vocab_dir, work):
+    metrics = train.run(TINY, train_params(), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+                        checkpoint_dir=work / "checkpoints", plots_dir=work / "plots")
+    return work / "checkpoints", metrics
+
+
+@pytest.fixture(scope="session")
+def averaged(trained, work):
+    metrics = average.run(average.AverageParams(last=2), checkpoint_dir=trained[0], out_path=work / "model.st")
+    return work / "model.st", metrics

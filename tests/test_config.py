@@ -1,12 +1,14 @@
 """params.yaml loads into typed, frozen objects; every mistake names the file, line and key."""
 import dataclasses
 import re
+import typing
 
 import pytest
 import yaml
 
 from pipeline import config
-from pipeline.config import ConfigError, apply_overrides, load_params, load_preset, parse_params, preset_names
+from pipeline.config import ConfigError, Params, load_params, parse_params
+from pipeline.presets import apply_overrides, dvc_set_args, load_preset, preset_names, table3_rows
 
 BASE = config.PARAMS_FILE.read_text(encoding="utf-8")
 
@@ -116,9 +118,7 @@ def test_unknown_preset_lists_the_known_ones():
 
 
 def test_table3_rows_are_valid_experiments_of_the_papers_shapes(tmp_path):
-    from pipeline.cli import dvc_set_args
-
-    rows = config.table3_rows()
+    rows = table3_rows()
     assert {n[0] for n in rows} == set("ABCDE") and len(rows) == 18
     path = tmp_path / "params.yaml"
     for name, overrides in rows.items():
@@ -130,3 +130,66 @@ def test_table3_rows_are_valid_experiments_of_the_papers_shapes(tmp_path):
             assert p.model.n_heads * d_k == p.model.n_heads * d_v == 512
     assert dvc_set_args(rows["E-learned"]) == ["-S", "average.last=1", "-S", "model.positions=learned"]
     assert dvc_set_args({"train.adam_betas": [0.9, 0.98]}) == ["-S", "train.adam_betas=[0.9, 0.98]"]
+
+
+# Every value is checked when params.yaml loads, by its section's class, and reported at its line.
+BAD_VALUES = [
+    ("download", "  tgt_lang: de", "  tgt_lang: en", "download.tgt_lang: must differ from src_lang"),
+    ("download", "    corpora: [europarl-v7, commoncrawl, news-commentary-v9]", "    corpora: [europarl-v8]",
+     "download.wmt14.corpora: unknown corpus 'europarl-v8'"),
+    ("download", "    corpora: [europarl-v7, commoncrawl, news-commentary-v9]", "    corpora: [un]",
+     "download.wmt14.corpora: no en-de text in un"),
+    ("download", "    mirrors: []", "    mirrors: [ftp.example.org]", "download.wmt14.mirrors: 'ftp.example.org'"),
+    ("clean", "  max_tokens: 250", "  max_tokens: 0", "clean.max_tokens: must be at least 1"),
+    ("clean", "  max_ratio: 1.5", "  max_ratio: 0.5", "clean.max_ratio: is longest over shortest"),
+    ("vocab", "  vocab_size: 37000", "  vocab_size: 3", "vocab.vocab_size: must exceed the 4 special pieces"),
+    ("vocab", "  character_coverage: 1.0", "  character_coverage: 1.5", "vocab.character_coverage"),
+    ("model", "  n_heads: 8", "  n_heads: 7", "model.n_heads: d_model 512 is not divisible by n_heads 7"),
+    ("model", "  dropout: 0.1", "  dropout: 1.0", "model.dropout: is a probability in"),
+    ("model", "  d_ff: 2048", "  d_ff: 0", "model.d_ff: must be at least 1"),
+    ("train", "  batch_tokens: 25000", "  batch_tokens: 0", "train.batch_tokens: must be at least 1"),
+    ("train", "  warmup_steps: 4000", "  warmup_steps: 0", "train.warmup_steps: must be at least 1"),
+    ("train", "  adam_betas: [0.9, 0.98]", "  adam_betas: [0.9, 1.0]", "train.adam_betas: must be in"),
+    ("train", "  keep_checkpoints: 20", "  keep_checkpoints: 3", "train.keep_checkpoints: 3 would delete checkpoints "
+                                                               r"that average.last \(5\) averages"),
+    ("average", "  last: 5  ", "  last: 0  ", "average.last: must be at least 1"),
+    ("decode", "  beam_size: 4", "  beam_size: 0", "decode.beam_size: must be at least 1"),
+    ("decode", "  max_length_extra: 50", "  max_length_extra: -1", "decode.max_length_extra: must be 0 or more"),
+    ("score", "  tokenize: 13a", "  tokenize: 14a", "score.tokenize: '14a' is not a sacreBLEU tokenizer"),
+]
+
+
+@pytest.mark.parametrize("section, old, new, message", BAD_VALUES, ids=[f"{b[0]}:{b[2].split(':')[0].strip()}"
+                                                                         for b in BAD_VALUES])
+def test_a_value_out_of_range_is_named_with_its_line_before_any_stage_runs(section, old, new, message):
+    text = _broken(old, new)
+    line = _line_of(text, new.rstrip())
+    with pytest.raises(ConfigError, match=rf"params.yaml:{line}: {message}"):
+        parse_params(text, "params.yaml")
+
+
+def test_local_training_files_are_needed_only_when_the_source_is_local():
+    text = _broken("    train: [{src: train.en, tgt: train.de}]", "    train: []")
+    assert parse_params(text, "params.yaml").download.local.train == ()
+    local = text.replace("  source: wmt14", "  source: local", 1)
+    with pytest.raises(ConfigError, match=rf"params.yaml:{_line_of(local, 'train: []')}: download.local.train: names no"):
+        parse_params(local, "params.yaml")
+
+
+def _numeric_keys(cls, prefix=""):
+    """Every int or float parameter of a params class, nested sections included."""
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from _numeric_keys(hint, f"{prefix}{f.name}.")
+        elif hint in (int, float) or hint == (int | None):
+            yield f"{prefix}{f.name}"
+
+
+@pytest.mark.parametrize("key", list(_numeric_keys(Params)))
+def test_every_numeric_parameter_refuses_a_negative_value(key, tmp_path):
+    """So a parameter added without a check of its own fails here."""
+    path = tmp_path / "params.yaml"
+    path.write_text(BASE, encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}: "):
+        apply_overrides({key: -1}, path)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import cli, flow
+from pipeline import dag, flow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 STAGES = ["download", "clean", "vocab", "encode", "train", "average", "decode", "score", "export"]
@@ -19,11 +20,8 @@ SMALL = ["-S", "train.max_steps=30", "-S", "train.checkpoint_every_steps=10", "-
 
 
 def test_the_flow_follows_the_dag_of_dvc_yaml():
-    assert flow.dvc_stages() == STAGES
-
-
-def test_the_command_line_has_every_stage_of_dvc_yaml():
-    assert set(cli.STAGES) == set(STAGES)
+    assert dag.stage_order() == STAGES
+    assert set(dag.stage_descriptions()) == set(STAGES)
 
 
 @pytest.fixture(scope="module")
@@ -134,19 +132,53 @@ def test_report_compares_the_runs_with_the_paper(flow_output, repo):
 
 
 @pytest.mark.slow
+def test_the_readmes_examples_run_as_written(flow_output, repo):
+    """Every Python block of the README, and the shell block that runs stages alone, after a quickstart."""
+    text = (repo / "README.md").read_text(encoding="utf-8")
+    python_blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(python_blocks) >= 2
+    for block in python_blocks:
+        _run(repo, sys.executable, "-c", block)
+    section = text.split("## One stage alone", 1)[1].split("\n## ", 1)[0]
+    shell = re.findall(r"```\n(.*?)```", section, re.S)[0]
+    commands = [line.split("  #")[0].strip() for line in shell.splitlines() if line.strip()]
+    assert commands and all(c.startswith("python -m pipeline") for c in commands)
+    for command in commands:
+        _run(repo, sys.executable, *command.split()[1:])
+    assert (repo / "my/clean/train.de").is_file() and (repo / "my/vocab/spm.model").is_file()
+
+
+@pytest.mark.slow
 def test_a_failed_stage_is_recorded_as_failed_and_keeps_earlier_outputs(flow_output, repo):
-    _run(repo, sys.executable, "-m", "pipeline", "preset", "-S", "decode.beam_size=0")
+    # a budget no training pair fits: a valid value, so only the train stage itself can find it out
+    _run(repo, sys.executable, "-m", "pipeline", "preset", "-S", "train.batch_tokens=1")
     proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=_env(repo), capture_output=True,
                           text=True, timeout=600)
-    assert proc.returncode != 0 and "decode.beam_size must be at least 1" in proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "longer than the batch budget of 1 tokens" in proc.stdout + proc.stderr
     assert (repo / "models/averaged.safetensors").is_file()  # finished stages keep their outputs
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("transformer-en-de")
-    decode_runs = client.search_runs([experiment.experiment_id], "tags.stage = 'decode'",
-                                     order_by=["attributes.start_time DESC"])
-    assert decode_runs[0].info.status == "FAILED"
+    train_runs = client.search_runs([experiment.experiment_id], "tags.stage = 'train'",
+                                    order_by=["attributes.start_time DESC"])
+    assert train_runs[0].info.status == "FAILED"
+
+
+@pytest.mark.slow
+def test_a_bad_parameter_stops_every_stage_at_its_line_before_it_works(flow_output, repo):
+    params = repo / "params.yaml"
+    saved = params.read_text(encoding="utf-8")
+    try:
+        params.write_text(re.sub(r"  beam_size: \d+", "  beam_size: 0", saved), encoding="utf-8")  # by hand
+        line = next(i for i, text in enumerate(params.read_text().splitlines(), 1) if "beam_size: 0" in text)
+        proc = subprocess.run([sys.executable, "-m", "pipeline", "clean", "--raw-dir", "data/raw", "--out-dir",
+                               "elsewhere"], cwd=repo, env=_env(repo), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1
+        assert proc.stderr.strip().endswith(f"params.yaml:{line}: decode.beam_size: must be at least 1 (1: greedy), not 0")
+        assert not (repo / "elsewhere").exists()
+    finally:
+        params.write_text(saved, encoding="utf-8")
 
 
 def _free_port() -> int:

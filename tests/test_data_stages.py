@@ -1,0 +1,152 @@
+"""The data stages on real text from ../shared/data (download, clean, vocab, encode), scoring, and the
+shared reading and writing they rely on. The chain's fixtures are in conftest.py."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import sacrebleu
+
+from conftest import CLEAN, TRAIN_LINES, download_params
+from stages import clean, download, encode, score, vocab
+from stages.io import ParallelFiles, PipelineError, atomic_write, read_lines, write_manifest
+
+
+def test_download_gathers_the_splits(raw):
+    raw_dir, metrics = raw
+    assert {k: v for k, v in metrics.items() if k.endswith("_pairs")} == \
+        {"train_pairs": 2 * TRAIN_LINES, "dev_pairs": 3000, "test_pairs": 3003}
+    assert metrics["train_corpora"] == {"europarl-v7.first10k": {"pairs": TRAIN_LINES, "published": None},
+                                        "news-commentary.first10k": {"pairs": TRAIN_LINES, "published": None}}
+    assert sum(1 for _ in read_lines(raw_dir / "test.de")) == 3003
+    assert json.loads((raw_dir / "manifest.json").read_text())["src_lang"] == "en"
+
+
+def test_download_refuses_mismatched_files_before_writing(shared, work, tmp_path):
+    (tmp_path / "short.en").write_text("one\ntwo\n")
+    (tmp_path / "short.de").write_text("eins\nzwei\ndrei\n")
+    test = ParallelFiles(str(tmp_path / "short.en"), str(tmp_path / "short.de"))
+    with pytest.raises(PipelineError, match=r"differ in length: .*short.en has 2 lines, .*short.de has 3"):
+        download.run(download_params(shared, work, test=test), out_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_download_errors_name_what_is_missing(shared, work, tmp_path):
+    with pytest.raises(PipelineError, match="download.local.dir: .*nowhere is not a directory"):
+        download.run(download_params(shared, work, dir=str(tmp_path / "nowhere")), out_dir=tmp_path / "o")
+    with pytest.raises(PipelineError, match="absent.en: file not found"):
+        download.run(download_params(shared, work, train=(ParallelFiles("absent.en", "absent.de"),)),
+                     out_dir=tmp_path / "o")
+
+
+def test_clean_reports_drops_by_reason_per_corpus_and_never_filters_test_sets(cleaned):
+    clean_dir, m = cleaned
+    for corpus in ("europarl-v7.first10k", "news-commentary.first10k"):
+        c = m["corpora"][corpus]
+        assert c["pairs"] == TRAIN_LINES and c["dropped_empty"] > 0 and c["dropped_length_ratio"] > 0
+        assert c["kept"] + sum(v for k, v in c.items() if k.startswith("dropped_")) == TRAIN_LINES
+    assert m["dropped_too_long"] > 0 and m["dropped_duplicate"] > 0
+    assert m["train_pairs"] == sum(c["kept"] for c in m["corpora"].values())
+    assert (m["dev_pairs"], m["test_pairs"]) == (3000, 3003)
+    assert not any("\r" in line or not line.strip() for line in read_lines(clean_dir / "train.en"))
+
+
+def test_clean_normalises_like_moses(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "train.en").write_text("\u201cQuoted\u201d  text\u00a0here\r\nfine\n", encoding="utf-8")
+    (raw / "train.de").write_text("\u201eZitat\u201c\u200b Text\r\ngut\n", encoding="utf-8")
+    for split in ("dev", "test"):
+        for lang in ("en", "de"):
+            (raw / f"{split}.{lang}").write_text("x\n")
+    write_manifest(raw, "en", "de", {"train": 2, "dev": 1, "test": 1})
+    clean.run(CLEAN, raw_dir=raw, out_dir=tmp_path / "out")
+    assert (tmp_path / "out/train.en").read_text(encoding="utf-8") == '"Quoted" text here\nfine\n'
+    assert (tmp_path / "out/train.de").read_text(encoding="utf-8") == '"Zitat" Text\ngut\n'
+
+
+def test_clean_invalid_utf8_names_file_line_and_byte_or_is_dropped(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "train.en").write_bytes(b"good one\nbro\xffken\nlast one\n")
+    (raw / "train.de").write_bytes(b"gut eins\nkaputt\nletzte eins\n")
+    for split in ("dev", "test"):
+        for lang in ("en", "de"):
+            (raw / f"{split}.{lang}").write_text("x\n")
+    write_manifest(raw, "en", "de", {"train": 3, "dev": 1, "test": 1})
+    with pytest.raises(PipelineError, match=r"train.en:2: invalid UTF-8 at byte 12 of the file"):
+        clean.run(CLEAN, raw_dir=raw, out_dir=tmp_path / "out")
+    assert not (tmp_path / "out/train.en").exists()
+    m = clean.run(dataclasses.replace(CLEAN, invalid_utf8="drop"), raw_dir=raw, out_dir=tmp_path / "out")
+    assert m["dropped_invalid_utf8"] == 1 and m["train_pairs"] == 2
+
+
+def test_vocab_is_shared_by_both_languages(vocab_dir):
+    sp = vocab.load(vocab_dir)
+    assert (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) == (0, 1, 2, 3)
+    for sentence in ("The European Parliament", "Das Europäische Parlament"):
+        assert sp.decode(sp.encode(sentence)) == sentence
+        assert vocab.UNK_ID not in sp.encode(sentence)
+
+
+def test_vocab_too_large_for_the_data_is_a_clear_error(cleaned, tmp_path):
+    params = vocab.VocabParams(model_type="bpe", vocab_size=900000, character_coverage=1.0,
+                               input_sentence_size=100000, seed=1)
+    with pytest.raises(PipelineError, match=r"vocab.vocab_size 900000 is more than the training text supports"):
+        vocab.run(params, clean_dir=cleaned[0], out_dir=tmp_path)
+
+
+def test_encode_stores_exactly_what_sentencepiece_gives(encoded, cleaned, vocab_dir):
+    encoded_dir, metrics = encoded
+    sp = vocab.load(vocab_dir)
+    corpus = encode.ParallelIds(encoded_dir, "test")
+    lines = list(read_lines(cleaned[0] / "test.en"))
+    assert len(corpus) == 3003
+    for i in (0, 1, 1500, 3002):
+        assert corpus.src(i).tolist() == sp.encode(lines[i])
+    assert metrics["test_en_tokens"] == int(corpus.src_lengths.sum())
+    assert corpus.src_ids.dtype == np.uint16
+
+
+def test_score_reproduces_sacrebleu_on_newstest(shared, tmp_path):
+    ref = list(read_lines(shared / "wmt14/newstest2014-full/newstest2014-deen-ref.de.txt"))
+    hyp = [" ".join(line.split()[::2]) for line in ref]  # a poor but deterministic "translation"
+    result = score.score(score.ScoreParams(tokenize="13a", lowercase=False), hyp, ref, hyp_name="h", ref_name="r",
+                         lang="de")
+    expected = sacrebleu.corpus_bleu(hyp, [ref])
+    assert result["bleu"] == pytest.approx(expected.score) and 0 < result["bleu"] < 100
+    assert result["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    assert result["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyp, [ref]).score)
+    # the paper's tokenised, compound-split BLEU: its own figure, and it counts split compounds as tokens
+    assert result["bleu_tok"] != pytest.approx(result["bleu"]) and 0 < result["bleu_tok"] < 100
+    assert result["bleu_tok_signature"] == score.BLEU_TOK_VARIANT
+
+
+def test_paper_tokenisation_splits_compounds_like_get_ende_bleu():
+    assert score.paper_tokenize(["Die US-Regierung, 3-4-mal (so)."], "de") == [
+        "Die US ##AT##-##AT## Regierung , 3 ##AT##-##AT## 4-mal ( so ) ."]
+
+
+def test_score_refuses_mismatched_or_empty_hypotheses():
+    p = score.ScoreParams(tokenize="13a", lowercase=False)
+    with pytest.raises(PipelineError, match="hyp.de has 1 lines but ref.de has 2"):
+        score.score(p, ["a"], ["a", "b"], hyp_name="hyp.de", ref_name="ref.de", lang="de")
+    with pytest.raises(PipelineError, match="hyp.de: the file is empty"):
+        score.score(p, [], ["a", "b"], hyp_name="hyp.de", ref_name="ref.de", lang="de")
+    assert score.score(p, ["", ""], ["a b c d", "e f g h"], hyp_name="h", ref_name="r", lang="de")["bleu"] == 0.0
+
+
+def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
+    target = tmp_path / "out.txt"
+    target.write_text("old")
+    with pytest.raises(RuntimeError), atomic_write(target) as f:
+        f.write("half")
+        raise RuntimeError("killed")
+    assert target.read_text() == "old" and list(tmp_path.iterdir()) == [target]
+
+
+def test_invalid_utf8_names_file_line_and_byte(tmp_path):
+    path = tmp_path / "bad.en"
+    path.write_bytes(b"fine\nalso fine\nbro\xffken\n")
+    with pytest.raises(PipelineError, match=r"bad.en:3: invalid UTF-8 at byte 18"):
+        list(read_lines(path))

@@ -1,0 +1,119 @@
+"""After training: averaging checkpoints, decoding with beam search, the exports and the translate
+command, on the model the conftest chain trains on real text."""
+import dataclasses
+import io
+
+import pytest
+import torch
+
+from conftest import TINY
+from pipeline import cli
+from stages import average, decode, export, vocab
+from stages.io import PipelineError, read_lines
+from stages.model_files import list_checkpoints, read_checkpoint, read_model, write_model
+
+
+def test_average_takes_the_last_n_by_step(averaged, trained):
+    path, metrics = averaged
+    assert metrics == {"averaged": 2, "first_step": 4, "last_step": 6}
+    weights, meta = read_model(path)
+    c4, c6 = (read_checkpoint(trained[0] / f"checkpoint-0000000{s}.pt").parts["model"] for s in (4, 6))
+    for k in weights:
+        torch.testing.assert_close(weights[k], (c4[k] + c6[k]) / 2)
+    assert meta.steps == (4, 6) and meta.config == TINY
+
+
+def test_averaging_copies_of_one_checkpoint_returns_it(trained):
+    state = read_checkpoint(trained[0] / "checkpoint-00000006.pt").parts["model"]
+    for k, v in average.average_state_dicts([state] * 3, ["a", "b", "c"]).items():
+        torch.testing.assert_close(v, state[k])
+
+
+def test_average_refuses_mismatched_checkpoints():
+    with pytest.raises(PipelineError, match="b: parameter w has shape"):
+        average.average_state_dicts([{"w": torch.zeros(2)}, {"w": torch.zeros(3)}], ["a", "b"])
+
+
+def test_decode_translates_every_line_in_order(averaged, vocab_dir, cleaned, work):
+    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt",
+                                 max_length_extra=3, batch_tokens=2000)
+    metrics = decode.run(params, model_path=averaged[0], vocab_dir=vocab_dir, clean_dir=cleaned[0],
+                         out_dir=work / "hyps")
+    assert metrics == {"dev_sentences": 3000, "test_sentences": 3003}
+    assert sum(1 for _ in read_lines(work / "hyps/test.de")) == 3003
+
+
+def test_decode_batch_size_does_not_change_translations(averaged, vocab_dir, cleaned):
+    model = decode.load_translator(averaged[0], torch.device("cpu"))
+    lines = list(read_lines(cleaned[0] / "dev.en"))[:64]
+    sp = vocab.load(vocab_dir)
+    params = dict(beam_size=3, length_penalty=0.6, length_penalty_formula="gnmt", max_length_extra=4)
+    one = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=1, **params))  # one sentence a batch
+    many = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=10**6, **params))  # all 64 in one
+    assert one == many
+
+
+def test_decode_refuses_a_model_that_is_not_ours(tmp_path):
+    (tmp_path / "m.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(PipelineError, match="not a model written by this pipeline"):
+        read_model(tmp_path / "m.safetensors")
+
+
+@pytest.fixture(scope="module")
+def exported(averaged, vocab_dir, work):
+    metrics = export.run(model_path=averaged[0], vocab_dir=vocab_dir, marian_dir=work / "exports/marian",
+                         ctranslate2_dir=work / "exports/ctranslate2")
+    return work / "exports", metrics
+
+
+def test_exported_models_translate_like_the_decode_stage(exported, averaged, vocab_dir, cleaned):
+    import ctranslate2
+    from transformers import MarianMTModel, MarianTokenizer
+
+    lines = list(read_lines(cleaned[0] / "dev.en"))[:12]
+    sp = vocab.load(vocab_dir)
+    ours = decode.translate(decode.load_translator(averaged[0], torch.device("cpu")), sp, lines, decode.DecodeParams(
+        beam_size=1, length_penalty=0.0, length_penalty_formula="gnmt", max_length_extra=5, batch_tokens=10**6))
+    hf = MarianMTModel.from_pretrained(exported[0] / "marian").eval()
+    tokenizer = MarianTokenizer.from_pretrained(exported[0] / "marian")
+    ct2 = ctranslate2.Translator(str(exported[0] / "ctranslate2"))
+    for line, expected in zip(lines, ours, strict=True):
+        inputs = tokenizer([line], return_tensors="pt")
+        assert inputs["input_ids"][0].tolist() == sp.encode(line) + [vocab.EOS_ID]
+        n = len(sp.encode(line)) + 5  # the decode stage's limit: source length + max_length_extra, EOS included
+        with torch.no_grad():
+            out = hf.generate(**inputs, num_beams=1, do_sample=False, max_new_tokens=n)
+        assert tokenizer.decode(out[0], skip_special_tokens=True) == expected
+        result = ct2.translate_batch([sp.encode(line, out_type=str) + ["</s>"]], beam_size=1,
+                                     max_decoding_length=n - 1)  # CTranslate2 counts tokens before EOS
+        assert sp.decode(result[0].hypotheses[0]) == expected
+
+
+def test_export_refuses_what_marian_cannot_express(trained, vocab_dir, tmp_path):
+    checkpoint = read_checkpoint(list_checkpoints(trained[0])[-1][1])
+    meta = dataclasses.replace(checkpoint.meta, config=dataclasses.replace(checkpoint.meta.config, norm="pre"))
+    write_model(tmp_path / "pre.st", checkpoint.parts["model"], meta)
+    with pytest.raises(PipelineError, match="cannot be written as MarianMT: model.norm is pre"):
+        export.to_marian(tmp_path / "pre.st", vocab_dir, tmp_path / "marian")
+    assert not (tmp_path / "marian").exists()
+
+
+def test_translate_command_reads_a_file_or_stdin_and_warns_of_cut_lines(averaged, vocab_dir, cleaned, tmp_path,
+                                                                       capsys, monkeypatch):
+    lines = list(read_lines(cleaned[0] / "dev.en"))[:5] + ["word " * 600]  # longer than the 512 positions
+    (tmp_path / "in.en").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    args = ["translate", "--model", str(averaged[0]), "--vocab-dir", str(vocab_dir), "-S", "decode.beam_size=2",
+            "-S", "decode.max_length_extra=3"]
+    assert cli.main([*args, str(tmp_path / "in.en")]) == 0
+    out, err = capsys.readouterr()
+    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", max_length_extra=3,
+                                 batch_tokens=8000)
+    expected = decode.translate(decode.load_translator(averaged[0], torch.device("cpu")), vocab.load(vocab_dir),
+                                lines, params)
+    assert out.splitlines() == expected and "1 input lines were longer than the model's 511 positions" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines[:2]) + "\n"))
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out.splitlines() == expected[:2]
+    assert cli.main([*args, "-S", "train.max_steps=3"]) == 1
+    assert "decode.* parameters only" in capsys.readouterr().err
+
