@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: setup quickstart test repro
+.PHONY: setup quickstart test test-fast repro
 
 setup:  ## a virtual environment with everything installed (torch first: CPU build here, CUDA build on GPU hosts)
 	python3 -m venv $(VENV)
@@ -14,8 +14,11 @@ setup:  ## a virtual environment with everything installed (torch first: CPU bui
 quickstart:  ## the whole pipeline on the bundled corpus, as a Prefect flow over dvc.yaml, in minutes on a CPU
 	$(PY) -m pipeline quickstart
 
-test:
+test:  ## the whole suite, as CI runs it
 	$(PY) -m pytest -q
+
+test-fast:  ## everything but the tests marked slow (the whole flow, torchrun): under two minutes
+	$(PY) -m pytest -q -m "not slow"
 
 repro:  ## the pipeline with params.yaml as it stands, straight through DVC
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/dvc repro
