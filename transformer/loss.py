@@ -8,8 +8,6 @@ temporaries stay small whatever the batch and the logits' precision.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -22,6 +20,9 @@ def _chunk_rows(logits: Tensor) -> int:
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
+    """Everything stays on the device: no value is read back to the host (no `.item()`, no boolean
+    indexing), so a training step never waits on the accelerator here."""
+
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, epsilon: float, pad_id: int) -> tuple[Tensor, Tensor]:
         # logits (N, V) in any float precision, target (N,)
@@ -32,36 +33,38 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
             chunk = logits[start : start + step].float()
             lse[start : start + step] = torch.logsumexp(chunk, dim=-1)
             mean[start : start + step] = chunk.mean(dim=-1)
-        keep = target.ne(pad_id)
+        keep = target.ne(pad_id).float()
         nll = lse - logits.gather(-1, target[:, None]).squeeze(-1).float()  # -log p(reference)
         smooth = lse - mean  # -mean over the vocabulary of log p
         loss = (1.0 - epsilon) * nll + epsilon * smooth
         ctx.save_for_backward(logits, target, lse, keep)
         ctx.epsilon = epsilon
-        return loss[keep].sum(), nll[keep].sum()
+        ctx.set_materialize_grads(False)
+        return (loss * keep).sum(), (nll * keep).sum()
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, grad_nll: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx, grad_loss: Tensor | None, grad_nll: Tensor | None) -> tuple[Tensor | None, ...]:
         logits, target, lse, keep = ctx.saved_tensors
         eps, vocab = ctx.epsilon, logits.size(-1)
-        # d loss / d logits = softmax - (1 - eps) * onehot(target) - eps / V; d nll = softmax - onehot.
-        on_softmax = float(grad_loss + grad_nll)
-        on_target = ((1.0 - eps) * grad_loss + grad_nll).float()
-        uniform = eps * float(grad_loss) / vocab
+        zero = torch.zeros((), device=logits.device)
+        grad_loss = zero if grad_loss is None else grad_loss.float()
+        grad_nll = zero if grad_nll is None else grad_nll.float()
+        # d loss / d logits = softmax - (1 - eps) * onehot(target) - eps / V; d nll = softmax - onehot;
+        # per row, scaled by keep (0 on padding rows, which get no gradient).
+        on_softmax = (grad_loss + grad_nll) * keep  # (N,)
+        on_target = ((1.0 - eps) * grad_loss + grad_nll) * keep
+        uniform = (eps / vocab) * grad_loss * keep
+        # a * exp(x - lse) = sign(a) * exp(x - lse + log|a|): the scale folds into the exponent (0 on padding)
+        shift, sign = lse - on_softmax.abs().log(), on_softmax.sign()
         grad = torch.empty_like(logits)
         work = grad if grad.dtype == torch.float32 else None
         step = _chunk_rows(logits)
         for start in range(0, logits.size(0), step):
             end = min(start + step, logits.size(0))
-            x, shift = logits[start:end].float(), lse[start:end, None]
-            if on_softmax > 0:  # fold the scale into the exponent: a * exp(x - lse) = exp(x - lse + log a)
-                p = torch.sub(x, shift - math.log(on_softmax), out=work[start:end] if work is not None else None)
-                p.exp_()
-            else:
-                p = torch.sub(x, shift, out=work[start:end] if work is not None else None).exp_().mul_(on_softmax)
-            p.sub_(uniform)
-            p.scatter_add_(-1, target[start:end, None], (-on_target).expand(end - start, 1))
-            p[~keep[start:end]] = 0.0
+            p = torch.sub(logits[start:end].float(), shift[start:end, None],
+                          out=work[start:end] if work is not None else None).exp_()
+            p = torch.addcmul(-uniform[start:end, None], p, sign[start:end, None], out=p)  # sign * p - uniform
+            p.scatter_add_(-1, target[start:end, None], -on_target[start:end, None])
             if work is None:
                 grad[start:end] = p
         return grad, None, None, None
