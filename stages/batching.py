@@ -7,12 +7,19 @@ processes. The position in the stream is a small state that checkpoints save and
 """
 from __future__ import annotations
 
+import copy
+import queue
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
 import numpy as np
 import torch
 
 from stages.vocab import BOS_ID, EOS_ID, PAD_ID
 
 
+T = TypeVar("T")
 BIN_WIDTHS = (1, 2, 3, 4, 6, 8)  # target-length bin widths tried; the tightest batching wins
 
 
@@ -85,7 +92,9 @@ def divisible(batches: list[np.ndarray], parts: int) -> list[np.ndarray]:
 
 
 class BatchSampler:
-    """An endless, resumable stream of this process's batches, epoch after epoch."""
+    """An endless, resumable stream of this process's batches, epoch after epoch. Every process
+    knows every process's batch at each position (the order is the seed's), so the step's global
+    token count needs no communication."""
 
     def __init__(self, batches: list[np.ndarray], seed: int, num_processes: int = 1, rank: int = 0) -> None:
         self.batches, self.seed = divisible(batches, num_processes), seed
@@ -94,23 +103,33 @@ class BatchSampler:
         self._order = self._epoch_order()
 
     def _epoch_order(self) -> np.ndarray:
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.batches))
-        return order[self.rank :: self.num_processes]
+        """Every process's batches of the epoch: process r takes positions r, r + W, r + 2W, ..."""
+        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.batches))
 
     def __len__(self) -> int:
-        """Batches per epoch for this process."""
-        return len(self._order)
+        """Batches per epoch for each process."""
+        return len(self._order) // self.num_processes
 
     def __iter__(self) -> BatchSampler:
         return self
 
     def __next__(self) -> np.ndarray:
-        if self.position == len(self._order):
+        return self.next_for_all()[self.rank]
+
+    def next_for_all(self) -> list[np.ndarray]:
+        """The next batch of every process, in rank order."""
+        if self.position == len(self):
             self.epoch, self.position = self.epoch + 1, 0
             self._order = self._epoch_order()
-        batch = self.batches[self._order[self.position]]
+        start = self.position * self.num_processes
         self.position += 1
-        return batch
+        return [self.batches[i] for i in self._order[start : start + self.num_processes]]
+
+    def copy(self) -> BatchSampler:
+        """An independent cursor at the same place (sharing the batches)."""
+        other = copy.copy(self)
+        other._order = self._order.copy()
+        return other
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -120,18 +139,56 @@ class BatchSampler:
         self._order = self._epoch_order()
 
 
-def pad(rows: list, pad_id: int = PAD_ID) -> torch.Tensor:
-    """Rows of token ids of any lengths as one (rows, longest) int64 tensor, padded at the end."""
-    out = torch.full((len(rows), max(map(len, rows), default=0)), pad_id, dtype=torch.long)
+def pad(rows: list, pad_id: int = PAD_ID, multiple: int = 1) -> torch.Tensor:
+    """Rows of token ids of any lengths as one (rows, longest) int64 tensor, padded at the end; the
+    width rounded up to a multiple of `multiple` (8 on GPUs: tensor-core tiles, and fewer shapes)."""
+    width = -(-max(map(len, rows), default=0) // multiple) * multiple
+    out = torch.full((len(rows), width), pad_id, dtype=torch.long)
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.as_tensor(np.asarray(row, dtype=np.int64))
     return out
 
 
-def collate(corpus, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate(corpus, indices: np.ndarray, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Padded tensors for a batch of pairs: source + EOS, BOS + target (decoder input), target + EOS.
     `corpus` gives pair i's token ids as corpus.src(i) and corpus.tgt(i)."""
     tgts = [np.asarray(corpus.tgt(i), dtype=np.int64) for i in indices]
-    return (pad([np.append(corpus.src(i), EOS_ID) for i in indices]),
-            pad([np.concatenate([[BOS_ID], t]) for t in tgts]),
-            pad([np.append(t, EOS_ID) for t in tgts]))
+    return (pad([np.append(corpus.src(i), EOS_ID) for i in indices], multiple=multiple),
+            pad([np.concatenate([[BOS_ID], t]) for t in tgts], multiple=multiple),
+            pad([np.append(t, EOS_ID) for t in tgts], multiple=multiple))
+
+
+class Prefetcher(Generic[T]):
+    """Calls `make` on a background thread, keeping up to `depth` results ready, so that preparing
+    the next step's batches (collating, pinning memory) overlaps the current step's compute.
+    An exception in `make` is raised where the result is taken."""
+
+    def __init__(self, make: Callable[[], T], depth: int = 2) -> None:
+        self._make, self._queue = make, queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="prefetch", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._make()
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                self._queue.put(e)
+                return
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    def get(self) -> T:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()

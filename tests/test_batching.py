@@ -81,3 +81,41 @@ def test_collate_adds_eos_and_bos_and_pads():
     assert tgt_in.tolist() == [[2, 8, 0, 0], [2, 9, 10, 11]]
     assert tgt_out.tolist() == [[8, 3, 0, 0], [9, 10, 11, 3]]
     assert tgt_in.dtype == torch.long
+
+
+def test_every_process_knows_every_process_batches_and_a_copy_moves_alone():
+    batches, _ = token_batches(SRC, TGT, 500, seed=1)
+    ranks = [BatchSampler(batches, seed=3, num_processes=3, rank=r) for r in range(3)]
+    seen_by_one = BatchSampler(batches, seed=3, num_processes=3, rank=1)
+    for _ in range(len(seen_by_one) + 5):  # across an epoch's end
+        everyone = seen_by_one.next_for_all()
+        assert [b.tolist() for b in everyone] == [next(s).tolist() for s in ranks]
+    ahead = ranks[0].copy()
+    next(ahead), next(ahead)
+    assert ranks[0].state_dict() != ahead.state_dict()
+    behind = ranks[0].copy()
+    assert [next(behind).tolist() for _ in range(3)] == [next(ranks[0]).tolist() for _ in range(3)]
+
+
+def test_padding_rounds_the_width_up_to_a_multiple():
+    from stages.batching import pad
+
+    assert pad([[5, 6, 7], [8]], multiple=8).shape == (2, 8)
+    assert pad([[5] * 9], multiple=8).shape == (1, 16) and pad([[5] * 9]).shape == (1, 9)
+    assert pad([[5, 6, 7], [8]], multiple=4).tolist() == [[5, 6, 7, 0], [8, 0, 0, 0]]
+
+
+def test_the_prefetcher_keeps_order_and_hands_errors_to_the_consumer():
+    from stages.batching import Prefetcher
+
+    counter = iter(range(5))
+
+    def make():
+        value = next(counter)  # StopIteration after five: an error in the producer
+        return value
+
+    prefetcher = Prefetcher(make, depth=2)
+    assert [prefetcher.get() for _ in range(5)] == [0, 1, 2, 3, 4]
+    with pytest.raises(StopIteration):
+        prefetcher.get()
+    prefetcher.close()
