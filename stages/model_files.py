@@ -2,7 +2,10 @@
 
 - A checkpoint (`<dir>/checkpoint-<step>.pt`, written by the train stage) holds everything a resumed
   run needs: the training state's named parts (model weights, optimizer, schedule, sampler, RNG,
-  progress, ...), the fingerprint of the run that wrote it, and the model's metadata.
+  progress, ...), the fingerprint of the run that wrote it, and the model's metadata. Checkpoints
+  are written every `train.checkpoint_every_steps` steps and at the end, and they are what the
+  average stage averages; a snapshot (`<dir>/snapshot-<step>.pt`), the same content written on
+  a clock for crash safety, is only ever resumed from, and each save removes the snapshots before it.
 - A model (`.safetensors`, written by the average stage) holds weights and metadata only: what
   decoding and export read. Either kind of file can be read as a model.
 
@@ -27,7 +30,7 @@ from stages.io import PipelineError, atomic_write
 from transformer.config import TransformerConfig
 
 CHECKPOINT_FORMAT = "transformer-pipeline/checkpoint/2"
-_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
+_FILE_NAME = re.compile(r"^(checkpoint|snapshot)-(\d+)\.pt$")
 Weights = dict[str, torch.Tensor]
 
 
@@ -62,21 +65,22 @@ class Checkpoint:
 
 # -- checkpoints ----------------------------------------------------------------------------------
 
-def checkpoint_path(directory: str | Path, step: int) -> Path:
-    return Path(directory) / f"checkpoint-{step:08d}.pt"
+def checkpoint_path(directory: str | Path, step: int, snapshot: bool = False) -> Path:
+    return Path(directory) / f"{'snapshot' if snapshot else 'checkpoint'}-{step:08d}.pt"
 
 
-def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first, ordered by step number (never by file name)."""
+def list_checkpoints(directory: str | Path, snapshots: bool = False) -> list[tuple[int, Path]]:
+    """Complete checkpoints (with `snapshots`, snapshots too: what a resumption may start from),
+    oldest first, ordered by step number (never by file name)."""
     found = []
-    for p in Path(directory).glob("checkpoint-*.pt"):
-        if m := _CHECKPOINT_NAME.match(p.name):
-            found.append((int(m.group(1)), p))
+    for p in Path(directory).glob("*-*.pt"):
+        if (m := _FILE_NAME.match(p.name)) and (snapshots or m.group(1) == "checkpoint"):
+            found.append((int(m.group(2)), p))
     return sorted(found)
 
 
-def write_checkpoint(directory: str | Path, checkpoint: Checkpoint) -> Path:
-    path = checkpoint_path(directory, checkpoint.step)
+def write_checkpoint(directory: str | Path, checkpoint: Checkpoint, snapshot: bool = False) -> Path:
+    path = checkpoint_path(directory, checkpoint.step, snapshot)
     state = {"format": CHECKPOINT_FORMAT, "step": checkpoint.step, "meta": checkpoint.meta.to_dict(),
              "fingerprint": checkpoint.fingerprint, "parts": checkpoint.parts}
     with atomic_write(path, "wb") as f:
@@ -85,9 +89,14 @@ def write_checkpoint(directory: str | Path, checkpoint: Checkpoint) -> Path:
 
 
 def prune_checkpoints(directory: str | Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints."""
+    """Keep the newest `keep` checkpoints, and no snapshot older than the newest file of either kind.
+    Snapshots never count towards `keep`, so they never push out a checkpoint that averaging needs."""
     for _, old in list_checkpoints(directory)[:-keep]:
         old.unlink()
+    everything = list_checkpoints(directory, snapshots=True)
+    for step, path in everything:
+        if path.name.startswith("snapshot") and step < everything[-1][0]:
+            path.unlink()
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:

@@ -16,23 +16,24 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast, gather_object, set_seed
+from accelerate.utils import broadcast, set_seed
 from tqdm import tqdm
 
 from stages import vocab
-from stages.batching import BatchSampler, collate, token_batches
+from stages.batching import collate, token_batches
 from stages.devices import default_device, mixed_precision, peak_flops
 from stages.encode import ParallelIds
 from stages.io import InputPath, OutputPath, PipelineError, check, require_dir
 from stages.model_files import Checkpoint, ModelMeta, list_checkpoints, prune_checkpoints, read_checkpoint, \
     write_checkpoint
+from stages.train_inputs import StepInputs, StepStream, training_sampler
 from stages.train_metrics import MetricsWindow, Progress, summary, write_curves
+from stages.train_state import CheckpointSchedule, RngStates, Stateful, UnwrappedModel, differences
 from transformer import Transformer, TransformerConfig, inverse_sqrt_rate, label_smoothed_nll_loss
-from transformer.model import training_flops
 
 MetricsLogger = Callable[[dict[str, float], int], None]
 
@@ -48,13 +49,13 @@ class TrainParams:
     label_smoothing: float
     clip_norm: float  # 0: no clipping, as the paper
     precision: Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16 on GPUs that have it, else fp32
-    compile: bool  # torch.compile the model
+    compile: bool  # torch.compile the model, for dynamic shapes: one graph whatever the batch's lengths
     seed: int
     log_every: int  # steps
     validate_every: int  # steps
-    checkpoint_every_steps: int  # 0: by time only
-    checkpoint_every_minutes: float  # 0: by steps only
-    keep_checkpoints: int
+    checkpoint_every_steps: int  # the checkpoints averaging takes (and the last step's); 0: the last one only
+    checkpoint_every_minutes: float  # snapshots for crash safety, never averaged; 0: none
+    keep_checkpoints: int  # of the step-spaced checkpoints; snapshots are kept only until the next save
 
     def __post_init__(self) -> None:
         for key in ("batch_tokens", "grad_accum", "warmup_steps", "log_every", "validate_every", "keep_checkpoints"):
@@ -80,47 +81,6 @@ def _digest(*paths: Path) -> str:
     return h.hexdigest()
 
 
-class Stateful(Protocol):
-    """A named part of the training state: it saves and restores itself."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> None: ...
-
-
-class RngStates:
-    """Every process's random number generators, gathered (a collective: every process calls it) so
-    that one file resumes them all."""
-
-    def __init__(self, process_index: int) -> None:
-        self.process_index = process_index
-
-    def state_dict(self) -> list[dict[str, torch.Tensor]]:
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        return gather_object([rng])  # one per process, in rank order
-
-    def load_state_dict(self, states: list[dict[str, torch.Tensor]]) -> None:
-        rng = states[self.process_index]
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-
-
-class UnwrappedModel:
-    """The model's own weights, without what Accelerate (DDP, compile) wraps around it."""
-
-    def __init__(self, accelerator: Accelerator, model: torch.nn.Module) -> None:
-        self.acc, self.model = accelerator, model
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.acc.unwrap_model(self.model).state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.acc.unwrap_model(self.model).load_state_dict(state)
-
-
 class Trainer:
     """One training run: the model, its optimizer and schedule, and the stream of batches."""
 
@@ -128,24 +88,22 @@ class Trainer:
                  vocab_dir: Path, accelerator: Accelerator) -> None:
         self.params, self.acc = params, accelerator
         set_seed(params.seed)
-        world, accum = accelerator.num_processes, params.grad_accum
-        self.micro_tokens = params.batch_tokens // (world * accum)
-        self.corpus = ParallelIds(encoded_dir, "train")
-        self.dev = ParallelIds(encoded_dir, "dev")
-        if len(self.corpus) == 0:
+        world, rank = accelerator.num_processes, accelerator.process_index
+        corpus, self.dev = ParallelIds(encoded_dir, "train"), ParallelIds(encoded_dir, "dev")
+        if len(corpus) == 0:
             raise PipelineError(f"{encoded_dir}: the training set is empty")
-        batches, self.dropped = token_batches(self.corpus.src_lengths, self.corpus.tgt_lengths,
-                                              self.micro_tokens, params.seed)
-        if not batches:
-            raise PipelineError(f"every training pair is longer than the batch budget of {self.micro_tokens} "
-                                f"tokens per micro-batch (train.batch_tokens / processes / grad_accum)")
-        self.sampler = BatchSampler(batches, params.seed, world, accelerator.process_index)
+        self.sampler, self.micro_tokens, self.dropped = training_sampler(corpus, params.batch_tokens,
+                                                                         params.grad_accum, params.seed, world, rank)
         dev_batches, _ = token_batches(self.dev.src_lengths, self.dev.tgt_lengths, self.micro_tokens, None)
-        self.dev_batches = dev_batches[accelerator.process_index :: world]
+        self.dev_batches = dev_batches[rank::world]
 
         model = Transformer(model_config, vocab.load(vocab_dir).get_piece_size(), vocab.PAD_ID)
         self.n_parameters = sum(p.numel() for p in model.parameters())
         self.meta = ModelMeta(model_config, model.vocab_size, steps=())
+        on_gpu = accelerator.device.type == "cuda"
+        self.inputs = StepInputs(corpus, model_config, model.vocab_size, params.grad_accum, rank,
+                                 pad_multiple=8 if on_gpu else 1, pin=on_gpu)
+        self.stream: StepStream | None = None  # started at the first step, after any resume
         self.peak = peak_flops(accelerator.device, accelerator.mixed_precision)
         optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=params.adam_betas, eps=params.adam_eps,
                                      fused=True)
@@ -153,6 +111,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda done: inverse_sqrt_rate(done + 1, model_config.d_model, params.warmup_steps))
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        if params.compile:  # after DDP wraps it, as torch recommends; lengths vary every step: dynamic shapes
+            self.model = torch.compile(self.model, dynamic=True)
         self.progress = Progress()
         self.fingerprint = {
             "model": asdict(model_config),
@@ -161,43 +121,44 @@ class Trainer:
             "data": _digest(*sorted(Path(encoded_dir).glob("train.*.npy"))),
             "world_size": world,
         }
-        # The training state a checkpoint holds, by name; the RNGs last, after everything that draws on them.
-        self.parts: dict[str, Stateful] = {
-            "model": UnwrappedModel(accelerator, self.model), "optimizer": self.optimizer,
-            "scheduler": self.scheduler, "sampler": self.sampler, "progress": self.progress,
-            **({"scaler": accelerator.scaler} if accelerator.scaler is not None else {}),
-            "rng": RngStates(accelerator.process_index),
-        }
 
-    def flops(self, src: torch.Tensor, tgt: torch.Tensor) -> float:
-        return training_flops(self.meta.config, self.meta.vocab_size, src.ne(vocab.PAD_ID).sum(1),
-                              tgt.ne(vocab.PAD_ID).sum(1))
+    @property
+    def parts(self) -> dict[str, Stateful]:
+        """The training state a checkpoint holds, by name; the RNGs last, after all that draws on them."""
+        return {"model": UnwrappedModel(self.acc, self.model), "optimizer": self.optimizer,
+                "scheduler": self.scheduler, "sampler": self.sampler, "progress": self.progress,
+                **({"scaler": self.acc.scaler} if self.acc.scaler is not None else {}),
+                "rng": RngStates(self.acc.process_index)}
+
+    def close(self) -> None:
+        """Stop preparing batches ahead."""
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
 
     # -- one optimizer step ---------------------------------------------------------------------
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step. Nothing waits on the device but the check that the loss is finite
+        before the update: loss sums stay device tensors, token counts come from the host."""
         acc, p = self.acc, self.params
         self.model.train()
-        micro = [collate(self.corpus, next(self.sampler)) for _ in range(p.grad_accum)]
-        real = [(int(s.ne(vocab.PAD_ID).sum()), int(t.ne(vocab.PAD_ID).sum())) for s, _, t in micro]
-        # what batching costs: padded slots per side, and the real tokens of the side that binds the budget
-        report = {"tokens": sum(t for _, t in real), "src_tokens": sum(s for s, _ in real),
-                  "src_slots": sum(s.numel() for s, _, _ in micro), "tgt_slots": sum(t.numel() for _, _, t in micro),
-                  "binding": sum(max(s, t) for s, t in real), "flops": sum(self.flops(s, t) for s, _, t in micro)}
-        global_tokens = float(acc.reduce(torch.tensor(report["tokens"], device=acc.device), "sum"))
-        loss_sum = nll_sum = 0.0
-        for i, (src, tgt_in, tgt_out) in enumerate(micro):
-            src, tgt_in, tgt_out = (x.to(acc.device) for x in (src, tgt_in, tgt_out))
-            last = i == len(micro) - 1
+        if self.stream is None:
+            self.stream = StepStream(self.inputs, self.sampler)
+        prepared, waited = self.stream.next()
+        # Gradients are averaged over processes; scale so the step's gradient is the sum over all its
+        # target tokens divided by their global count.
+        scale = acc.num_processes / prepared.global_tokens
+        loss_sum = nll_sum = torch.zeros((), device=acc.device)
+        for i, batch in enumerate(prepared.micro):
+            src, tgt_in, tgt_out = (x.to(acc.device, non_blocking=True) for x in batch)
+            last = i == len(prepared.micro) - 1
             with contextlib.nullcontext() if last else acc.no_sync(self.model), acc.autocast():
                 logits = self.model(src, tgt_in)
                 loss, nll = label_smoothed_nll_loss(logits, tgt_out, p.label_smoothing, vocab.PAD_ID)
-                # Gradients are averaged over processes; scale so the step's gradient is the sum over
-                # all its target tokens divided by their global count.
-                acc.backward(loss * acc.num_processes / global_tokens)
-            loss_sum += loss.item()
-            nll_sum += nll.item()
-        if not math.isfinite(loss_sum):
-            raise PipelineError(f"non-finite loss ({loss_sum}) at step {self.progress.step + 1} on process "
+                acc.backward(loss * scale)
+            loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
+        if not bool(torch.isfinite(loss_sum)):  # the step's one wait on the device
+            raise PipelineError(f"non-finite loss ({float(loss_sum)}) at step {self.progress.step + 1} on process "
                                 f"{acc.process_index}; stopped before the optimizer step")
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), p.clip_norm if p.clip_norm > 0 else math.inf)
         lr = self.scheduler.get_last_lr()[0]
@@ -205,7 +166,8 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
-        return {"loss_sum": loss_sum, "nll_sum": nll_sum, "grad_norm": float(grad_norm), "lr": lr, **report}
+        return {"loss_sum": loss_sum, "nll_sum": nll_sum, "grad_norm": grad_norm, "lr": lr, "data_wait": waited,
+                **prepared.report}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -222,18 +184,20 @@ class Trainer:
         return {"valid_loss": loss / tokens, "valid_nll": nll / tokens, "valid_ppl": math.exp(nll / tokens)}
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def save(self, checkpoint_dir: Path) -> None:
-        parts = {name: part.state_dict() for name, part in self.parts.items()}  # every process: the RNGs gather
+    def save(self, checkpoint_dir: Path, snapshot: bool = False) -> None:
+        """A checkpoint (averaged later), or a snapshot (crash safety only); every process calls it."""
+        parts = {name: part.state_dict() for name, part in self.parts.items()}  # the RNGs gather
         if self.acc.is_main_process:
             step = self.progress.step
             meta = ModelMeta(self.meta.config, self.meta.vocab_size, (step,))
-            write_checkpoint(checkpoint_dir, Checkpoint(step, meta, self.fingerprint, parts))
+            write_checkpoint(checkpoint_dir, Checkpoint(step, meta, self.fingerprint, parts), snapshot)
             prune_checkpoints(checkpoint_dir, self.params.keep_checkpoints)
         self.acc.wait_for_everyone()
 
     def resume(self, checkpoint_dir: Path) -> None:
-        """Continue from the newest checkpoint that loads, if there is one and it is of this run."""
-        for _, path in reversed(list_checkpoints(checkpoint_dir)):
+        """Continue from the newest checkpoint or snapshot that loads, if it is of this run."""
+        self.close()  # a prefetcher started before this would read from the old position
+        for _, path in reversed(list_checkpoints(checkpoint_dir, snapshots=True)):
             try:
                 checkpoint = read_checkpoint(path)
                 break
@@ -242,7 +206,7 @@ class Trainer:
         else:
             return
         if checkpoint.fingerprint != self.fingerprint:
-            changed = _differences(checkpoint.fingerprint, self.fingerprint)
+            changed = differences(checkpoint.fingerprint, self.fingerprint)
             raise PipelineError(
                 f"{checkpoint_dir} holds a different training run ({', '.join(changed)} changed), so it cannot be "
                 f"resumed; move or delete that directory to start afresh")
@@ -254,38 +218,6 @@ class Trainer:
         self.acc.print(f"resumed from {path} at step {self.progress.step}")
 
 
-def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}")
-    return out
-
-
-class CheckpointSchedule:
-    """When to save: every `checkpoint_every_steps` steps, every `checkpoint_every_minutes` by the main
-    process's clock (`agree` shares its decision, so every process saves at the same step), and at
-    the last step."""
-
-    def __init__(self, params: TrainParams, agree: Callable[[bool], bool],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.params, self.agree, self.clock = params, agree, clock
-        self.last_save = clock()
-
-    def due(self, step: int) -> bool:
-        p = self.params
-        due = (p.checkpoint_every_steps > 0 and step % p.checkpoint_every_steps == 0) or step == p.max_steps
-        if p.checkpoint_every_minutes > 0:
-            due = self.agree(self.clock() - self.last_save >= 60 * p.checkpoint_every_minutes) or due
-        return due
-
-    def saved(self) -> None:
-        self.last_save = self.clock()
-
-
 def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: InputPath, vocab_dir: InputPath,
         checkpoint_dir: OutputPath, plots_dir: OutputPath, log: MetricsLogger | None = None,
         accelerator: Accelerator | None = None) -> dict[str, float]:
@@ -294,15 +226,17 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
     encoded_dir = require_dir(encoded_dir, "encoded data (encode stage output)")
     checkpoint_dir = Path(checkpoint_dir)
     acc = accelerator or Accelerator(cpu=default_device().type == "cpu",
-                                     mixed_precision=mixed_precision(params.precision),
-                                     dynamo_backend="inductor" if params.compile else "no")
+                                     mixed_precision=mixed_precision(params.precision))
     trainer = Trainer(model_config, params, encoded_dir=encoded_dir, vocab_dir=Path(vocab_dir), accelerator=acc)
     trainer.resume(checkpoint_dir)
     log = log if (log is not None and acc.is_main_process) else (lambda metrics, step: None)
     log({"parameters": trainer.n_parameters, "dropped_over_budget": trainer.dropped}, 0)
     acc.print(f"model: {trainer.n_parameters / 1e6:.1f}M parameters; {len(trainer.sampler)} batches per epoch "
               f"per process; {trainer.dropped} pairs over the batch budget dropped")
-    _loop(trainer, checkpoint_dir, log)
+    try:
+        _loop(trainer, checkpoint_dir, log)
+    finally:
+        trainer.close()
     if not list_checkpoints(checkpoint_dir):
         trainer.save(checkpoint_dir)  # max_steps 0 or already reached: still leave a model behind
     if acc.is_main_process:
@@ -333,7 +267,7 @@ def _loop(trainer: Trainer, checkpoint_dir: Path, log: MetricsLogger) -> None:
             valid = trainer.validate()
             progress.valid_history.append({"step": step, **valid})
             log(valid, step)
-        if saves.due(step):
-            trainer.save(checkpoint_dir)
+        if kind := saves.due(step):
+            trainer.save(checkpoint_dir, snapshot=kind == "snapshot")
             saves.saved()
     bar.close()

@@ -17,8 +17,9 @@ import torch
 from stages.io import atomic_write
 
 # What each optimizer step reports and a window sums: losses and tokens (real and padded), the
-# tokens of the side that binds the batch budget, and model FLOPs.
-SUMMED = ("loss_sum", "nll_sum", "tokens", "src_tokens", "src_slots", "tgt_slots", "binding", "flops")
+# tokens of the side that binds the batch budget, model FLOPs, and seconds spent waiting for data.
+# The losses are device tensors, read back only when the window closes.
+SUMMED = ("loss_sum", "nll_sum", "tokens", "src_tokens", "src_slots", "tgt_slots", "binding", "flops", "data_wait")
 
 
 @dataclass
@@ -58,27 +59,30 @@ class MetricsWindow:
         self.sums = dict.fromkeys(SUMMED, 0.0)
         self.seconds, self.steps = 0.0, 0
 
-    def add(self, step: dict[str, float], seconds: float) -> None:
+    def add(self, step: dict[str, Any], seconds: float) -> None:
         for key in SUMMED:
             self.sums[key] += step[key]
         self.seconds += seconds
         self.steps += 1
 
-    def close(self, step: int, last: dict[str, float],
+    def close(self, step: int, last: dict[str, Any],
               reduce: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict[str, float], float, float]:
         """(row, FLOPs, seconds) of the window, summed over processes by `reduce`; then start afresh.
         `last` is the newest step's report, whose learning rate and gradient norm the row shows."""
-        sums = dict(zip(SUMMED, reduce(torch.tensor([self.sums[k] for k in SUMMED], dtype=torch.float64)).tolist()))
+        local = torch.tensor([float(self.sums[k]) for k in SUMMED], dtype=torch.float64)
+        sums = dict(zip(SUMMED, reduce(local).tolist()))
         tokens, seconds = sums["tokens"], max(self.seconds, 1e-9)
         micro_batches = self.steps * self.grad_accum * self.num_processes
         row = {"step": step, "loss": sums["loss_sum"] / tokens, "nll": sums["nll_sum"] / tokens,
-               "ppl": math.exp(min(sums["nll_sum"] / tokens, 50.0)), "lr": last["lr"], "grad_norm": last["grad_norm"],
+               "ppl": math.exp(min(sums["nll_sum"] / tokens, 50.0)), "lr": last["lr"],
+               "grad_norm": float(last["grad_norm"]),
                "tgt_tokens_per_step": tokens / self.steps, "tgt_tokens_per_sec": tokens / seconds,
                "src_tokens_per_sec": sums["src_tokens"] / seconds,
                "src_padding": 1 - sums["src_tokens"] / sums["src_slots"],
                "tgt_padding": 1 - tokens / sums["tgt_slots"],
                "batch_fill": sums["binding"] / (micro_batches * self.micro_tokens),
-               "tflops": sums["flops"] / seconds / 1e12}
+               "tflops": sums["flops"] / seconds / 1e12,
+               "data_wait_fraction": sums["data_wait"] / (seconds * self.num_processes)}
         if self.peak:  # model FLOPs utilisation of all the processes' accelerators
             row["mfu"] = sums["flops"] / seconds / (self.peak * self.num_processes)
         out = (row, sums["flops"], self.seconds)

@@ -1,6 +1,7 @@
 """The train stage on real encoded text: its outputs, exact resumption, several processes, gradient
 accumulation, the non-finite guard, and each part of its loop alone (metrics rows, checkpoint
 timing, curves, summary)."""
+import dataclasses
 import json
 import math
 import os
@@ -14,9 +15,11 @@ import torch
 
 from conftest import TINY, train_params
 from stages import train
+from stages.batching import BatchSampler
 from stages.io import PipelineError
-from stages.model_files import list_checkpoints, read_checkpoint
+from stages.model_files import list_checkpoints, read_checkpoint, write_checkpoint
 from stages.train_metrics import MetricsWindow, Progress, summary, write_curves
+from stages.train_state import CheckpointSchedule
 from transformer import TransformerConfig
 
 
@@ -96,7 +99,7 @@ def _trainer(encoded_dir, vocab_dir, **changes):
 
 
 def _gradients_of_one_step(trainer, batches):
-    trainer.sampler = iter(batches)
+    trainer.sampler = BatchSampler(batches, seed=1)  # one step takes them all, in some order
     captured = []
     step = trainer.optimizer.step
     trainer.optimizer.step = lambda: (captured.extend(p.grad.clone() for p in trainer.model.parameters()), step())
@@ -123,29 +126,30 @@ def test_a_non_finite_loss_stops_before_the_update(encoded, vocab_dir, monkeypat
         assert torch.equal(p, b)
 
 
-def test_a_checkpoint_from_another_precision_names_the_parts_that_differ(encoded, vocab_dir, tmp_path):
-    trainer = _trainer(encoded[0], vocab_dir)
-    trainer.save(tmp_path)
-    again = _trainer(encoded[0], vocab_dir)
-    again.parts["scaler"] = again.parts["progress"]  # a part the checkpoint does not hold (as fp16's scaler)
-    with pytest.raises(PipelineError, match=r"holds the parts \[.*\], this run has \[.*'scaler'"):
-        again.resume(tmp_path)
+def test_a_checkpoint_without_a_part_of_the_state_names_the_parts(encoded, vocab_dir, tmp_path):
+    _trainer(encoded[0], vocab_dir).save(tmp_path)
+    path = list_checkpoints(tmp_path)[0][1]
+    checkpoint = read_checkpoint(path)
+    del checkpoint.parts["scheduler"]
+    write_checkpoint(tmp_path, checkpoint)
+    with pytest.raises(PipelineError, match=r"holds the parts \[.*\], this run has \[.*'scheduler'"):
+        _trainer(encoded[0], vocab_dir).resume(tmp_path)
 
 
 # -- the loop's parts, each alone -------------------------------------------------------------------
 
 def _step(**values):
     report = {"loss_sum": 0.0, "nll_sum": 0.0, "tokens": 0, "src_tokens": 0, "src_slots": 1, "tgt_slots": 1,
-              "binding": 0, "flops": 0.0, "lr": 0.0, "grad_norm": 0.0}
+              "binding": 0, "flops": 0.0, "lr": 0.0, "grad_norm": 0.0, "data_wait": 0.0}
     return {**report, **values}
 
 
 def test_a_metrics_row_divides_the_window_sums_over_every_process():
     window = MetricsWindow(micro_tokens=100, grad_accum=2, num_processes=2, peak=1e12)
-    window.add(_step(loss_sum=30.0, nll_sum=20.0, tokens=60, src_tokens=50, src_slots=80, tgt_slots=80, binding=70,
-                     flops=4e12), seconds=2.0)
-    window.add(_step(loss_sum=10.0, nll_sum=20.0, tokens=40, src_tokens=30, src_slots=40, tgt_slots=40, binding=50,
-                     flops=4e12, lr=0.5, grad_norm=3.0), seconds=2.0)
+    window.add(_step(loss_sum=torch.tensor(30.0), nll_sum=torch.tensor(20.0), tokens=60, src_tokens=50, src_slots=80,
+                     tgt_slots=80, binding=70, flops=4e12, data_wait=0.1), seconds=2.0)
+    window.add(_step(loss_sum=torch.tensor(10.0), nll_sum=torch.tensor(20.0), tokens=40, src_tokens=30, src_slots=40,
+                     tgt_slots=40, binding=50, flops=4e12, lr=0.5, grad_norm=torch.tensor(3.0)), seconds=2.0)
     doubled = lambda t: 2 * t  # noqa: E731 - two processes that saw the same
     row, flops, seconds = window.close(7, _step(lr=0.5, grad_norm=3.0), doubled)
     assert row["step"] == 7 and (row["lr"], row["grad_norm"]) == (0.5, 3.0)  # the newest step's
@@ -155,6 +159,7 @@ def test_a_metrics_row_divides_the_window_sums_over_every_process():
     assert row["src_padding"] == pytest.approx(1 - 160 / 240) and row["tgt_padding"] == pytest.approx(1 - 200 / 240)
     assert row["batch_fill"] == pytest.approx(240 / (2 * 2 * 2 * 100))  # 8 micro-batches of 100 tokens
     assert row["tflops"] == pytest.approx(16e12 / 4 / 1e12) and row["mfu"] == pytest.approx(4 / 2)
+    assert row["data_wait_fraction"] == pytest.approx(0.2 / (4 * 2))
     assert (flops, seconds) == (16e12, 4.0)
     assert window.steps == 0 and window.sums["tokens"] == 0 and window.seconds == 0  # the next window starts afresh
 
@@ -168,13 +173,15 @@ def test_checkpoints_are_due_by_steps_by_the_main_clock_and_at_the_end():
         return late
 
     params = train_params(max_steps=10, checkpoint_every_steps=4, checkpoint_every_minutes=1.0)
-    schedule = train.CheckpointSchedule(params, agree, clock=lambda: now[0])
-    assert [s for s in range(1, 11) if schedule.due(s)] == [4, 8, 10]
+    schedule = CheckpointSchedule(params, agree, clock=lambda: now[0])
+    assert {s: schedule.due(s) for s in range(1, 11) if schedule.due(s)} == {4: "checkpoint", 8: "checkpoint",
+                                                                            10: "checkpoint"}
     now[0] = 61.0
-    assert schedule.due(5) and decided[-1] is True  # a minute since the last save
+    assert schedule.due(5) == "snapshot" and decided[-1] is True  # a minute since the last save: crash safety
+    assert schedule.due(8) == "checkpoint"  # on the spacing it is a checkpoint, late or not
     schedule.saved()
-    assert not schedule.due(6)
-    by_steps = train.CheckpointSchedule(train_params(max_steps=10, checkpoint_every_minutes=0.0),
+    assert schedule.due(6) is None
+    by_steps = CheckpointSchedule(train_params(max_steps=10, checkpoint_every_minutes=0.0),
                                         lambda late: pytest.fail("no clock to agree on"))
     assert [s for s in range(1, 11) if by_steps.due(s)] == [2, 4, 6, 8, 10]
 
@@ -196,3 +203,123 @@ def test_progress_records_totals_and_survives_its_state(tmp_path):
     assert (tmp_path / "train.csv").read_text().splitlines() == [
         "step,loss,tgt_tokens_per_sec,tflops,train_flops", "2,3.0,10.0,1.0,5.0", "4,2.0,30.0,3.0,12.0"]
     assert (tmp_path / "valid.csv").read_text().splitlines() == ["step,valid_loss", "4,2.5"]
+
+
+# -- the GPU path, checked on the CPU -------------------------------------------------------------
+
+def test_averaging_takes_the_step_spaced_checkpoints_not_the_snapshots_between_them(encoded, vocab_dir, tmp_path,
+                                                                                    monkeypatch):
+    from stages import average
+
+    # a snapshot is due at every step (a clock of a microsecond), a checkpoint every 3 steps and at the end
+    params = train_params(max_steps=8, checkpoint_every_steps=3, checkpoint_every_minutes=1e-8, keep_checkpoints=2)
+    seen, save = [], train.Trainer.save
+
+    def spy(self, directory, snapshot=False):
+        seen.append((self.progress.step, snapshot))
+        save(self, directory, snapshot)
+
+    monkeypatch.setattr(train.Trainer, "save", spy)
+    train.run(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "c",
+              plots_dir=tmp_path / "plots")
+    assert seen == [(1, True), (2, True), (3, False), (4, True), (5, True), (6, False), (7, True), (8, False)]
+    assert [p.name for _, p in list_checkpoints(tmp_path / "c", snapshots=True)] == \
+        ["checkpoint-00000006.pt", "checkpoint-00000008.pt"]  # keep 2; every snapshot superseded
+    metrics = average.run(average.AverageParams(last=2), checkpoint_dir=tmp_path / "c", out_path=tmp_path / "m.st")
+    assert (metrics["first_step"], metrics["last_step"]) == (6, 8)
+
+
+def test_a_run_resumed_from_a_snapshot_equals_one_never_stopped(encoded, vocab_dir, tmp_path):
+    """The prefetcher has batches of later steps ready when the snapshot is taken: they must not count
+    as consumed. fp32, so the weights must agree to the bit."""
+    from accelerate import Accelerator
+
+    params = train_params(max_steps=7, checkpoint_every_steps=0, grad_accum=2)
+    straight = train.run(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "a",
+                         plots_dir=tmp_path / "plots")
+    killed = train.Trainer(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, accelerator=Accelerator(cpu=True))
+    for _ in range(3):
+        killed.train_step()
+    killed.save(tmp_path / "b", snapshot=True)  # then the process dies
+    killed.close()
+    resumed = train.run(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "b",
+                        plots_dir=tmp_path / "plots")
+    assert resumed["steps"] == straight["steps"] == 7
+    a = read_checkpoint(tmp_path / "a/checkpoint-00000007.pt").parts
+    b = read_checkpoint(tmp_path / "b/checkpoint-00000007.pt").parts
+    assert a["sampler"] == b["sampler"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+SYNCS = {"item", "__float__", "__int__", "__bool__", "__index__", "tolist", "nonzero", "numpy", "cpu"}
+
+
+def test_a_step_waits_on_the_device_only_to_check_the_loss_is_finite(encoded, vocab_dir):
+    """Every call that reads a tensor's value back to the host (or indexes with a boolean mask, which
+    does) during one optimizer step with gradient accumulation, watched as torch dispatches them."""
+    from torch.overrides import TorchFunctionMode
+
+    class Watch(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", str(func))
+            masked = name in ("__getitem__", "__setitem__") and isinstance(args[1], torch.Tensor) \
+                and args[1].dtype == torch.bool
+            if name in SYNCS or masked:
+                self.reads.append(name)
+            return func(*args, **(kwargs or {}))
+
+    trainer = _trainer(encoded[0], vocab_dir, grad_accum=3)
+    trainer.train_step()  # the first starts the prefetch thread (whose host work is not watched)
+    with Watch() as watch:
+        out = trainer.train_step()
+    trainer.close()
+    assert watch.reads == ["__bool__"]  # bool(torch.isfinite(loss_sum))
+    assert isinstance(out["loss_sum"], torch.Tensor) and isinstance(out["grad_norm"], torch.Tensor)
+
+
+def test_batches_are_padded_to_a_multiple_of_eight_on_a_gpu_only(encoded, vocab_dir):
+    trainer = _trainer(encoded[0], vocab_dir)
+    assert trainer.inputs.pad_multiple == 1 and not trainer.inputs.pin  # on this CPU padding would only add work
+    prepared = dataclasses.replace(trainer.inputs, pad_multiple=8).prepare(trainer.sampler.copy())
+    for src, tgt_in, tgt_out in prepared.micro:
+        assert src.size(1) % 8 == 0 and tgt_in.size(1) % 8 == 0 and tgt_in.shape == tgt_out.shape
+    assert prepared.report["tokens"] == sum(int(t.ne(0).sum()) for _, _, t in prepared.micro)  # real tokens only
+    assert prepared.global_tokens == prepared.report["tokens"]  # one process: the step's count is its own
+
+
+@pytest.mark.slow
+def test_compiled_training_equals_eager_and_compiles_once_for_all_lengths(encoded, vocab_dir, tmp_path):
+    from torch._dynamo.utils import counters
+
+    from stages.batching import collate
+    from stages.encode import ParallelIds
+    from transformer import Transformer
+
+    config = dataclasses.replace(TINY, dropout=0.0)  # compiled dropout draws other random numbers than eager
+    history, models = {}, {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        train.run(config, train_params(max_steps=8, compile=compiled, log_every=1, validate_every=100),
+                  encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / str(compiled),
+                  plots_dir=tmp_path / "plots")
+        graphs = counters["stats"]["unique_graphs"]
+        checkpoint = read_checkpoint(tmp_path / f"{compiled}/checkpoint-00000008.pt")
+        history[compiled] = [r["loss"] for r in checkpoint.parts["progress"]["history"]]
+        models[compiled] = Transformer(config, checkpoint.meta.vocab_size, 0).eval()
+        models[compiled].load_state_dict(checkpoint.parts["model"])
+    assert graphs <= 2  # training, and validation (eval mode) at the end: not one per batch shape
+    trainer = _trainer(encoded[0], vocab_dir)
+    shapes = {tuple(x.shape for x in trainer.inputs.prepare(trainer.sampler).micro[0]) for _ in range(8)}
+    assert len(shapes) >= 4  # the steps' batches came in several shapes
+    assert history[True] == pytest.approx(history[False], rel=1e-4)
+    # Weights are compared by what they compute: key biases get no gradient (softmax ignores a constant
+    # added to every key's logit), so Adam turns each run's rounding noise there into full-size steps.
+    src, tgt_in, _ = collate(ParallelIds(encoded[0], "dev"), np.arange(16))
+    with torch.no_grad():
+        torch.testing.assert_close(models[True](src, tgt_in), models[False](src, tgt_in), rtol=1e-3, atol=1e-3)

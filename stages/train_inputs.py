@@ -1,0 +1,93 @@
+"""What each optimizer step of the train stage takes from the corpus, made ready ahead of time.
+
+The batches come from a token-budget sampler over the encoded corpus; a step's micro-batches are
+collated (pinned on GPUs) and counted on a background thread while the previous step computes.
+Every process knows every process's batches, so the step's global token count needs no
+communication, and nothing here touches the device.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from stages.batching import BatchSampler, Prefetcher, collate, token_batches
+from stages.encode import ParallelIds
+from stages.io import PipelineError
+from transformer import TransformerConfig
+from transformer.model import training_flops
+
+
+def training_sampler(corpus: ParallelIds, batch_tokens: int, grad_accum: int, seed: int, world: int,
+                     rank: int) -> tuple[BatchSampler, int, int]:
+    """(this process's sampler, tokens per micro-batch, pairs dropped as longer than that)."""
+    micro_tokens = batch_tokens // (world * grad_accum)
+    batches, dropped = token_batches(corpus.src_lengths, corpus.tgt_lengths, micro_tokens, seed)
+    if not batches:
+        raise PipelineError(f"every training pair is longer than the batch budget of {micro_tokens} tokens per "
+                            f"micro-batch (train.batch_tokens / processes / grad_accum)")
+    return BatchSampler(batches, seed, world, rank), micro_tokens, dropped
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # this process's micro-batches
+    global_tokens: int  # the step's target tokens over every process
+    report: dict[str, float]  # this process's token counts, padded slots and model FLOPs
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """How a step's batches are made: from which corpus, for which model, how many micro-batches."""
+
+    corpus: ParallelIds
+    config: TransformerConfig
+    vocab_size: int
+    grad_accum: int
+    rank: int
+    pad_multiple: int  # 8 on GPUs (tensor-core tiles, fewer shapes to compile for); 1 on CPUs, where it only adds work
+    pin: bool  # pinned memory, so the copy to a GPU does not block
+
+    def prepare(self, cursor: BatchSampler) -> PreparedStep:
+        """The next step's batches from `cursor`: this process's collated, every process's counted."""
+        steps = [cursor.next_for_all() for _ in range(self.grad_accum)]
+        own = [batches[self.rank] for batches in steps]
+        c = self.corpus
+        global_tokens = sum(int(c.tgt_lengths[b].sum()) + len(b) for batches in steps for b in batches)
+        micro = [collate(c, b, self.pad_multiple) for b in own]
+        if self.pin:
+            micro = [tuple(x.pin_memory() for x in m) for m in micro]
+        src = [c.src_lengths[b] + 1 for b in own]  # + EOS
+        tgt = [c.tgt_lengths[b] + 1 for b in own]  # + EOS (or BOS)
+        pairs = list(zip(src, tgt, strict=True))
+        # what batching costs: padded slots per side, and the real tokens of the side that binds the budget
+        report = {"tokens": sum(int(t.sum()) for t in tgt), "src_tokens": sum(int(s.sum()) for s in src),
+                  "src_slots": sum(m[0].numel() for m in micro), "tgt_slots": sum(m[2].numel() for m in micro),
+                  "binding": sum(max(int(s.sum()), int(t.sum())) for s, t in pairs),
+                  "flops": sum(training_flops(self.config, self.vocab_size, torch.from_numpy(s), torch.from_numpy(t))
+                               for s, t in pairs)}
+        return PreparedStep(micro, global_tokens, report)
+
+
+class StepStream:
+    """The steps' inputs, prepared ahead on a background thread from a copy of `sampler`. The sampler
+    itself (what checkpoints save) moves only past the steps taken, so batches prefetched but not
+    trained on are not lost when a run resumes."""
+
+    def __init__(self, inputs: StepInputs, sampler: BatchSampler) -> None:
+        cursor = sampler.copy()
+        self.inputs, self.sampler = inputs, sampler
+        self.prefetcher = Prefetcher(lambda: inputs.prepare(cursor))
+
+    def next(self) -> tuple[PreparedStep, float]:
+        """The next step's input, and the seconds spent waiting for it."""
+        start = time.perf_counter()
+        prepared = self.prefetcher.get()
+        waited = time.perf_counter() - start
+        for _ in range(self.inputs.grad_accum):
+            next(self.sampler)
+        return prepared, waited
+
+    def close(self) -> None:
+        self.prefetcher.close()
