@@ -7,9 +7,10 @@ MarianMT `generate` and in CTranslate2, in one run.
 
 The model is exported with the export stage (so all three hold identical weights), then each system
 translates the same source lines with beam 4 on the same device, batched by length, sentences of
-similar length together. Each system's own length limit is the source length + 50 where it has one
-(ours; CTranslate2 and transformers take one limit per batch). The figure is target tokens produced
-(sentencepiece pieces, EOS excluded) per second, with the ratio of ours to each peer.
+similar length together, with the same length penalty (|Y|^alpha, the one all three have). Each
+system's own length limit is the source length + 50 where it has one (ours; CTranslate2 and
+transformers take one limit per batch). The figure is target tokens produced (sentencepiece pieces
+of the output) per second, with the ratio of ours to each peer and how many output lines are the same.
 
 --random-base measures at the paper's base size without a trained model: Transformer base with
 seeded random weights over a 8000-piece BPE vocabulary learned on the spot from the shared WMT14
@@ -21,30 +22,110 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from bench import SHARED
 from stages import export, vocab
-from stages.decode import DecodeParams, load_translator, translate
+from stages.decode import DecodeParams, length_batches, load_translator, translate
 from stages.devices import default_device
 from stages.model_files import ModelMeta, write_model
 from transformer import Transformer, TransformerConfig
-from bench import SHARED
 
 NEWSTEST = SHARED / "wmt14/newstest2014-full/newstest2014-deen-src.en.txt"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def length_batches(lines: list[list[int]], batch_tokens: int) -> list[list[int]]:
-    """Indices grouped as the decode stage groups them: sorted by length, within a token budget."""
-    order = sorted(range(len(lines)), key=lambda i: len(lines[i]))
-    batches, current = [], []
-    for i in order:
-        if current and (len(current) + 1) * (len(lines[i]) + 1) > batch_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    return batches + [current] if current else batches
+@dataclass(frozen=True)
+class Decoded:
+    system: str
+    precision: str
+    seconds: float
+    tokens: int  # sentencepiece pieces of the output
+    lines: list[str]
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+def _timed(system: str, precision: str, sp, work: Callable[[], list[str]]) -> Decoded:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    lines = work()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return Decoded(system, precision, time.perf_counter() - start, sum(len(ids) for ids in sp.encode(lines)), lines)
+
+
+def decode_all(model_path: Path, vocab_dir: Path, lines: list[str], beam: int, batch_tokens: int,
+               precisions: tuple[str, ...], tmp: Path) -> list[Decoded]:
+    """Every system at every precision on the same lines: ours (the decode stage), transformers
+    MarianMT generate and CTranslate2, from the same weights."""
+    import ctranslate2
+    from transformers import MarianMTModel, MarianTokenizer
+
+    device = default_device()
+    sp = vocab.load(vocab_dir)
+    batches = length_batches([len(ids) for ids in sp.encode(lines)], batch_tokens)
+    marian_dir = export.to_marian(model_path, vocab_dir, tmp / "marian")
+    params = DecodeParams(beam_size=beam, length_penalty=0.6, length_penalty_formula="power", max_length_extra=50,
+                          batch_tokens=batch_tokens)
+    tokenizer = MarianTokenizer.from_pretrained(marian_dir)
+    results = []
+    for precision in precisions:
+        ours = load_translator(model_path, device).to(DTYPES[precision])
+        translate(ours, sp, lines[:8], params, desc="warm-up")
+        results.append(_timed("ours (decode stage)", precision, sp, lambda: translate(ours, sp, lines, params, "ours")))
+
+        hf = MarianMTModel.from_pretrained(marian_dir).to(device=device, dtype=DTYPES[precision]).eval()
+
+        def generate() -> list[str]:
+            out = [""] * len(lines)
+            with torch.no_grad():
+                for batch in batches:
+                    inputs = tokenizer([lines[i] for i in batch], return_tensors="pt", padding=True).to(device)
+                    ids = hf.generate(**inputs, num_beams=beam, length_penalty=0.6, do_sample=False,
+                                      max_new_tokens=inputs["input_ids"].size(1) + 50)
+                    for i, text in zip(batch, tokenizer.batch_decode(ids, skip_special_tokens=True), strict=True):
+                        out[i] = text
+            return out
+
+        results.append(_timed("transformers MarianMT generate", precision, sp, generate))
+
+        ct2_dir = export.to_ctranslate2(marian_dir, tmp / f"ct2-{precision}")
+        translator = ctranslate2.Translator(str(ct2_dir), device=device.type, compute_type=CT2_TYPES[precision],
+                                            intra_threads=torch.get_num_threads())
+
+        def ct2() -> list[str]:
+            out = [""] * len(lines)
+            for batch in batches:
+                source = [sp.encode(lines[i], out_type=str) + ["</s>"] for i in batch]
+                found = translator.translate_batch(source, beam_size=beam, length_penalty=0.6,
+                                                   max_decoding_length=max(map(len, source)) + 50)
+                for i, result in zip(batch, found, strict=True):
+                    out[i] = sp.decode(result.hypotheses[0])
+            return out
+
+        results.append(_timed("CTranslate2", precision, sp, ct2))
+    return results
+
+
+def report(results: list[Decoded]) -> list[str]:
+    """Each system's rate, ours against it, and the share of output lines identical to ours."""
+    rows = []
+    for r in results:
+        ours = next(o for o in results if o.precision == r.precision and o.system.startswith("ours"))
+        same = sum(a == b for a, b in zip(ours.lines, r.lines, strict=True)) / len(r.lines)
+        rows.append(f"{r.system:32}{r.precision:>5}{r.rate:>10,.0f} target tokens/s{len(r.lines) / r.seconds:>8,.1f}"
+                    f" sentences/s  ({r.tokens} tokens)  ours / this: {ours.rate / r.rate:.2f}x"
+                    f"  same lines: {same:.0%}")
+    return rows
 
 
 def random_base(tmp: Path) -> tuple[Path, Path]:
@@ -79,60 +160,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_base:
             args.model, args.vocab_dir = random_base(Path(tmp))
-        measure(args)
-
-
-def measure(args: argparse.Namespace) -> None:
-    device = default_device()
-    lines = args.source.read_text(encoding="utf-8").splitlines()[: args.limit or None]
-    sp = vocab.load(args.vocab_dir)
-    pieces = [sp.encode(line) for line in lines]
-    batches = length_batches(pieces, args.batch_tokens)
-    threads = torch.get_num_threads()
-    results: dict[str, tuple[float, int]] = {}
-
-    model = load_translator(args.model, device)
-    params = DecodeParams(beam_size=args.beam, length_penalty=0.6, length_penalty_formula="gnmt",
-                          max_length_extra=50, batch_tokens=args.batch_tokens)
-    translate(model, sp, lines[:8], params, desc="warm-up")
-    start = time.perf_counter()
-    ours = translate(model, sp, lines, params, desc="ours")
-    results["ours (decode stage)"] = (time.perf_counter() - start, sum(len(sp.encode(h)) for h in ours))
-
-    with tempfile.TemporaryDirectory() as tmp:
-        marian_dir = export.to_marian(args.model, args.vocab_dir, Path(tmp) / "marian")
-        ct2_dir = export.to_ctranslate2(marian_dir, Path(tmp) / "ct2")
-
-        import ctranslate2
-        from transformers import MarianMTModel, MarianTokenizer
-
-        hf = MarianMTModel.from_pretrained(marian_dir).to(device).eval()
-        tokenizer = MarianTokenizer.from_pretrained(marian_dir)
-        produced, start = 0, time.perf_counter()
-        with torch.no_grad():
-            for batch in batches:
-                inputs = tokenizer([lines[i] for i in batch], return_tensors="pt", padding=True).to(device)
-                out = hf.generate(**inputs, num_beams=args.beam, length_penalty=0.6, do_sample=False,
-                                  max_new_tokens=inputs["input_ids"].size(1) + 50)
-                produced += int((out[:, 1:] > vocab.EOS_ID).sum())
-        results["transformers MarianMT generate"] = (time.perf_counter() - start, produced)
-
-        translator = ctranslate2.Translator(str(ct2_dir), device=device.type, intra_threads=threads)
-        produced, start = 0, time.perf_counter()
-        for batch in batches:
-            source = [sp.encode(lines[i], out_type=str) + ["</s>"] for i in batch]
-            out = translator.translate_batch(source, beam_size=args.beam, length_penalty=0.6,
-                                             max_decoding_length=max(map(len, source)) + 50)
-            produced += sum(len(r.hypotheses[0]) for r in out)
-        results["CTranslate2"] = (time.perf_counter() - start, produced)
-
-    where = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu, {threads} threads"
-    print(f"{len(lines)} sentences of {args.source.name}, beam {args.beam}, {where}, fp32")
-    ours_rate = results["ours (decode stage)"][1] / results["ours (decode stage)"][0]
-    for name, (seconds, tokens) in results.items():
-        rate = tokens / seconds
-        print(f"{name:34}{rate:>10,.0f} target tokens/s  {len(lines) / seconds:>8,.1f} sentences/s  "
-              f"({tokens} tokens)  ours / this: {ours_rate / rate:.2f}x")
+        lines = args.source.read_text(encoding="utf-8").splitlines()[: args.limit or None]
+        results = decode_all(args.model, args.vocab_dir, lines, args.beam, args.batch_tokens, ("fp32",), Path(tmp))
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
+    print(f"{len(lines)} sentences of {args.source.name}, beam {args.beam}, {where}")
+    print("\n".join(report(results)))
 
 
 if __name__ == "__main__":

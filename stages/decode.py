@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -44,6 +43,19 @@ def load_translator(model_path: str | Path, device: torch.device) -> Transformer
     return model.to(device).eval()
 
 
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices sorted by length and cut into batches while (sentences x longest, EOS included) fits
+    the budget: sentences of similar length together, little padding."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * (lengths[i] + 1) <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 @torch.no_grad()
 def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, desc: str = "decode") -> list[str]:
     """Translate `lines`, batched by length for speed, returned in input order."""
@@ -54,25 +66,19 @@ def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, de
     if truncated:
         print(f"warning: {truncated} input lines were longer than the model's {limit} positions and were "
               f"cut to that many tokens before translating", file=sys.stderr)
-    order = np.argsort([len(ids) for ids in encoded], kind="stable")
     out: list[str] = [""] * len(lines)
     bar = tqdm(total=len(lines), desc=desc, unit=" sentences", mininterval=2, file=sys.stderr)
-    start = 0
-    while start < len(order):
-        end = start + 1  # grow the batch while (sentences x longest source) fits the budget
-        while end < len(order) and (end - start + 1) * (len(encoded[order[end]]) + 1) <= params.batch_tokens:
-            end += 1
-        batch = [encoded[i] + [vocab.EOS_ID] for i in order[start:end]]
+    for indices in length_batches([len(ids) for ids in encoded], params.batch_tokens):
+        batch = [encoded[i] + [vocab.EOS_ID] for i in indices]
         src = pad(batch).to(device)
         max_lengths = torch.tensor([min(len(ids) - 1 + params.max_length_extra, limit) for ids in batch],
                                    device=device).clamp(min=1)
         decoder = IncrementalDecoder(model, src, params.beam_size)
         hyps = beam_search(decoder, len(batch), params.beam_size, max_lengths, vocab.BOS_ID, vocab.EOS_ID,
                            params.length_penalty, params.length_penalty_formula)
-        for i, found in zip(order[start:end], hyps, strict=True):
+        for i, found in zip(indices, hyps, strict=True):
             out[i] = sp.decode(found[0].tokens) if found else ""
-        bar.update(end - start)
-        start = end
+        bar.update(len(indices))
     bar.close()
     return out
 
