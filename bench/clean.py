@@ -22,8 +22,8 @@ from bench import SHARED
 SAMPLES = {"europarl-v7": "uedin-toy/europarl-v7.first10k", "news-commentary": "uedin-toy/news-commentary.first10k",
            "europarl-20k": "hf-europarl-20k/train"}
 WMT14_EN_DE_PAIRS = 4_520_620  # Europarl v7 + Common Crawl + News Commentary v9, as distributed
-PARAMS = clean.CleanParams(max_tokens=250, max_ratio=1.5, drop_duplicates=True, normalize_punctuation=True,
-                           unicode_form="NFC", invalid_utf8="drop", workers=1)
+PARAMS = clean.CleanParams(max_tokens=250, max_chars=2000, max_ratio=1.5, keep_copies=False, drop_duplicates=True,
+                           normalize_punctuation=True, unicode_form="NFC", invalid_utf8="drop", workers=1)
 
 
 def main() -> None:

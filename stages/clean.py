@@ -3,38 +3,45 @@
 Every line: Moses punctuation normalisation and removal of non-printing characters (sacremoses, as
 fairseq's WMT14 recipe runs normalize-punctuation.perl and remove-non-printing-char.perl), Unicode
 normalisation, whitespace trimmed (line endings, CRLF and stray carriage returns included).
-Training pairs are then dropped when a side is empty, longer than `max_tokens` words, more than
-`max_ratio` times the other side's length (a sign of misalignment), or (optionally) an exact
-repeat of an earlier pair. Dev and test sets are normalised but never filtered. The drops are
-counted per corpus and reason. Work is spread over the cores in chunks, output kept in order.
+Training pairs are then dropped when a side is empty, longer than `max_tokens` words or
+`max_chars` characters (a megabyte line without a space is one "word"), more than `max_ratio` times
+the other side's length (a sign of misalignment), a copy of its source (untranslated text, common in
+crawled corpora; `keep_copies` keeps them), or (optionally) an exact repeat of an earlier pair. Dev
+and test sets are normalised but never filtered. The drops are counted per corpus and reason. Every
+split's line counts are checked before anything is written, and the outputs replace the old ones
+only once every split is clean. Work is spread over the cores in chunks, output kept in order.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import unicodedata
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from sacremoses import MosesPunctNormalizer
 from tqdm import tqdm
 
-from stages.io import SPLITS, InputPath, OutputPath, PipelineError, atomic_write, check, chunks, count_pairs, \
-    read_manifest, read_train_corpora, require_dir, split_path, write_manifest
+from stages.io import SPLITS, InputPath, OutputPath, PipelineError, check, chunks, count_pairs, read_manifest, \
+    read_train_corpora, require_dir, split_path, write_manifest
 
-REASONS = ("invalid_utf8", "empty", "too_long", "length_ratio", "duplicate")
+REASONS = ("invalid_utf8", "empty", "too_long", "too_many_characters", "length_ratio", "source_equals_target",
+           "duplicate")
 CHUNK = 20_000  # pairs per task handed to a worker
 
 
 @dataclass(frozen=True)
 class CleanParams:
     max_tokens: int  # words (whitespace-separated) per side
+    max_chars: int  # characters per side
     max_ratio: float  # longest side over shortest side, in words
+    keep_copies: bool  # keep pairs whose target is their source, untouched
     drop_duplicates: bool  # drop exact repeats of an earlier training pair
     normalize_punctuation: bool  # Moses punctuation normalisation and non-printing character removal
     unicode_form: Literal["NFC", "NFKC", "none"]
@@ -43,19 +50,24 @@ class CleanParams:
 
     def __post_init__(self) -> None:
         check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, not {self.max_tokens}")
+        check(self.max_chars >= 1, "max_chars", f"must be at least 1, not {self.max_chars}")
         check(self.max_ratio >= 1, "max_ratio", f"is longest over shortest, so at least 1, not {self.max_ratio}")
         check(self.workers >= 0, "workers", f"must be 0 (one per core) or more, not {self.workers}")
 
 
 def drop_reason(src: str, tgt: str, params: CleanParams) -> str | None:
-    """Why a training pair is dropped by length, or None to keep it."""
+    """Why a training pair is dropped by its length or content, or None to keep it."""
     ns, nt = len(src.split()), len(tgt.split())
     if ns == 0 or nt == 0:
         return "empty"
     if max(ns, nt) > params.max_tokens:
         return "too_long"
+    if max(len(src), len(tgt)) > params.max_chars:
+        return "too_many_characters"
     if max(ns, nt) > params.max_ratio * min(ns, nt):
         return "length_ratio"
+    if src == tgt and not params.keep_copies:
+        return "source_equals_target"
     return None
 
 
@@ -114,61 +126,78 @@ def _raw_pairs(src: Path, tgt: Path) -> Iterator[RawPair]:
 
 
 def run(params: CleanParams, *, raw_dir: InputPath, out_dir: OutputPath) -> dict[str, object]:
-    raw_dir = require_dir(raw_dir, "raw text (download stage output)")
+    raw_dir, out_dir = require_dir(raw_dir, "raw text (download stage output)"), Path(out_dir)
     src_lang, tgt_lang = read_manifest(raw_dir)
     corpora = read_train_corpora(raw_dir)
+    paths = {split: (split_path(raw_dir, split, src_lang), split_path(raw_dir, split, tgt_lang)) for split in SPLITS}
+    totals = {split: count_pairs(*pair) for split, pair in paths.items()}  # every split, before any work
     workers = params.workers or os.cpu_count() or 1
     dropped: dict[str, Counter[str]] = {name: Counter() for name in corpora}
     counts: dict[str, int] = {}
     seen: set[bytes] = set()
-    with get_context("spawn").Pool(workers, _init_worker, (src_lang, tgt_lang, params)) as pool:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with get_context("spawn").Pool(workers, _init_worker, (src_lang, tgt_lang, params)) as pool, \
+            tempfile.TemporaryDirectory(prefix=f".{out_dir.name}-", dir=out_dir.parent) as staging:
         for split in SPLITS:
-            src_path, tgt_path = split_path(raw_dir, split, src_lang), split_path(raw_dir, split, tgt_lang)
-            total = count_pairs(src_path, tgt_path)
             # which corpus each training line belongs to: corpora are concatenated in manifest order
-            bounds = _corpus_bounds(corpora) if split == "train" else [(total, split)]
-            kept = 0
-            with atomic_write(split_path(out_dir, split, src_lang)) as fs, \
-                    atomic_write(split_path(out_dir, split, tgt_lang)) as ft, \
-                    tqdm(total=total, desc=f"clean {split}", unit=" pairs", mininterval=2) as bar:
-                results = pool.imap(partial(_process, params=params, filtering=split == "train"),
-                                    chunks(_raw_pairs(src_path, tgt_path), CHUNK))
-                line = 0
-                for chunk in results:
-                    for src, tgt, reason in chunk:
-                        line += 1
-                        if reason is not None and reason.startswith("invalid_utf8"):
-                            _, side, number, offset = reason.split(":")
-                            if params.invalid_utf8 == "error" or split != "train":  # a test set is never filtered
-                                path = src_path if side == "src" else tgt_path
-                                raise PipelineError(f"{path}:{number}: invalid UTF-8 at byte {offset} of the file"
-                                                    + (" (clean.invalid_utf8: drop drops such training pairs)"
-                                                       if split == "train" else ""))
-                            reason = "invalid_utf8"
-                        if reason is None and split == "train" and params.drop_duplicates:
-                            key = hashlib.blake2b(f"{src}\t{tgt}".encode(), digest_size=12).digest()
-                            reason = "duplicate" if key in seen else None
-                            seen.add(key)
-                        if reason is not None:
-                            dropped[_corpus_of(bounds, line)][reason] += 1
-                            continue
-                        fs.write(src + "\n")
-                        ft.write(tgt + "\n")
-                        kept += 1
-                    bar.update(len(chunk))
+            bounds = _corpus_bounds(corpora) if split == "train" else [(totals[split], split)]
+            with open(split_path(staging, split, src_lang), "w", encoding="utf-8") as fs, \
+                    open(split_path(staging, split, tgt_lang), "w", encoding="utf-8") as ft:
+                pairs = _clean_split(pool, params, split, paths[split], totals[split], lambda line, reason: (
+                    dropped[_corpus_of(bounds, line)].update([reason])), seen)
+                kept = 0
+                for src, tgt in pairs:
+                    fs.write(src + "\n")
+                    ft.write(tgt + "\n")
+                    kept += 1
             counts[split] = kept
+        if counts["train"] == 0:
+            reasons = Counter(sum(dropped.values(), Counter()))
+            raise PipelineError(f"clean: no training pair is left of {sum(corpora.values())} "
+                                f"({', '.join(f'{n} {r}' for r, n in reasons.items()) or 'the corpus is empty'}); "
+                                f"check the corpus or clean.max_tokens, clean.max_chars and clean.max_ratio")
+        out_dir.mkdir(exist_ok=True)
+        for split in SPLITS:  # every split is clean: only now do the old outputs go
+            for lang in (src_lang, tgt_lang):
+                os.replace(split_path(staging, split, lang), split_path(out_dir, split, lang))
     kept_per_corpus = {name: n - sum(dropped[name].values()) for name, n in corpora.items()}
-    if counts["train"] == 0:
-        reasons = Counter(sum(dropped.values(), Counter()))
-        raise PipelineError(f"clean: no training pair is left of {sum(corpora.values())} "
-                            f"({', '.join(f'{n} {r}' for r, n in reasons.items()) or 'the corpus is empty'}); "
-                            f"check the corpus or clean.max_tokens and clean.max_ratio")
     write_manifest(out_dir, src_lang, tgt_lang, counts, corpora=kept_per_corpus)
     metrics: dict[str, object] = {f"{split}_pairs": n for split, n in counts.items()}
     metrics.update({f"dropped_{r}": sum(d[r] for d in dropped.values()) for r in REASONS})
     metrics["corpora"] = {name: {"pairs": corpora[name], "kept": kept_per_corpus[name],
                                  **{f"dropped_{r}": dropped[name][r] for r in REASONS}} for name in corpora}
     return metrics
+
+
+def _clean_split(pool: Any, params: CleanParams, split: str, paths: tuple[Path, Path], total: int,
+                 drop: Callable[[int, str], None], seen: set[bytes]) -> Iterator[tuple[str, str]]:
+    """The split's pairs to keep, normalised, in order; `drop(line, reason)` is told of the others.
+    Invalid UTF-8 stops it, naming file, line and byte, unless training pairs may be dropped for it."""
+    src_path, tgt_path = paths
+    results = pool.imap(partial(_process, params=params, filtering=split == "train"),
+                        chunks(_raw_pairs(src_path, tgt_path), CHUNK))
+    line = 0
+    with tqdm(total=total, desc=f"clean {split}", unit=" pairs", mininterval=2) as bar:
+        for chunk in results:
+            for src, tgt, reason in chunk:
+                line += 1
+                if reason is not None and reason.startswith("invalid_utf8"):
+                    _, side, number, offset = reason.split(":")
+                    if params.invalid_utf8 == "error" or split != "train":  # a test set is never filtered
+                        path = src_path if side == "src" else tgt_path
+                        raise PipelineError(f"{path}:{number}: invalid UTF-8 at byte {offset} of the file"
+                                            + (" (clean.invalid_utf8: drop drops such training pairs)"
+                                               if split == "train" else ""))
+                    reason = "invalid_utf8"
+                if reason is None and split == "train" and params.drop_duplicates:
+                    key = hashlib.blake2b(f"{src}\t{tgt}".encode(), digest_size=12).digest()
+                    reason = "duplicate" if key in seen else None
+                    seen.add(key)
+                if reason is not None:
+                    drop(line, reason)
+                else:
+                    yield src, tgt
+            bar.update(len(chunk))
 
 
 def _corpus_bounds(corpora: dict[str, int]) -> list[tuple[int, str]]:
