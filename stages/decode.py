@@ -73,7 +73,7 @@ def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, de
         src = pad(batch).to(device)
         max_lengths = torch.tensor([min(len(ids) - 1 + params.max_length_extra, limit) for ids in batch],
                                    device=device).clamp(min=1)
-        decoder = IncrementalDecoder(model, src, params.beam_size)
+        decoder = IncrementalDecoder(model, src, params.beam_size, never=(vocab.PAD_ID, vocab.BOS_ID))
         hyps = beam_search(decoder, len(batch), params.beam_size, max_lengths, vocab.BOS_ID, vocab.EOS_ID,
                            params.length_penalty, params.length_penalty_formula)
         for i, found in zip(indices, hyps, strict=True):

@@ -100,15 +100,20 @@ class DecoderCache:
 
 class IncrementalDecoder:
     """The beam-search view of a model over one batch of sources: next-token log-probabilities for
-    each prefix, with a key/value cache (or a full forward pass each step, for testing)."""
+    each prefix, with a key/value cache (or a full forward pass each step, for testing). The tokens
+    in `never` (padding, and the caller's BOS) get no probability at all: they are taken out before
+    the softmax, so neither the search nor the other tokens' probabilities depend on their rows of
+    the shared embedding."""
 
-    def __init__(self, model: Transformer, src: Tensor, beam_size: int, use_cache: bool = True) -> None:
+    def __init__(self, model: Transformer, src: Tensor, beam_size: int, use_cache: bool = True,
+                 never: tuple[int, ...] = ()) -> None:
         self.model = model
         memory, src_pad = model.encode(src)
         # Every beam of a sentence shares its encoder output: (B * beam, S, d_model).
         self.memory = memory.repeat_interleave(beam_size, dim=0)
         self.src_pad = src_pad.repeat_interleave(beam_size, dim=0)
         self.cache = DecoderCache(len(model.decoder)) if use_cache else None
+        self.never = torch.tensor(sorted({model.pad_id, *never}), device=src.device)
 
     def step(self, tokens: Tensor) -> Tensor:
         """tokens (N, t), every prefix so far -> log-probabilities of the next token (N, vocab)."""
@@ -117,7 +122,7 @@ class IncrementalDecoder:
         else:
             t = tokens.size(1)
             logits = self.model.decode(tokens[:, -1:], self.memory, self.src_pad, self.cache, offset=t - 1)[:, 0]
-        return torch.log_softmax(logits.float(), dim=-1)
+        return torch.log_softmax(logits.float().index_fill_(-1, self.never, float("-inf")), dim=-1)
 
     def reorder(self, order: Tensor, sentences_dropped: bool = False) -> None:
         """Keep the rows `order` (N,) of every per-hypothesis state, as beam search chose them. The
