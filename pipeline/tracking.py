@@ -9,16 +9,19 @@ stages still run on machines without it (tracking is then skipped with a notice)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import ROOT
+from stages.io import Stopped
 
 PARENT_ENV = "PIPELINE_MLFLOW_PARENT_RUN_ID"
 DEFAULT_DB = ROOT / "mlflow.db"
@@ -117,16 +120,38 @@ def _client_and_experiment(experiment: str) -> tuple[Any, str] | None:
     except ImportError:
         print("note: mlflow is not installed; this run is not tracked")
         return None
-    client = MlflowClient(tracking_uri=tracking_uri())
-    found = client.get_experiment_by_name(experiment)
-    if found is not None:
-        return client, found.experiment_id
-    return client, client.create_experiment(experiment, artifact_location=artifact_location(tracking_uri()))
+    from filelock import FileLock
+    from mlflow.exceptions import MlflowException
+
+    uri = tracking_uri()
+    # Stages started at once against a store that does not exist yet (dvc queue start -j 4, several
+    # training processes) would all create its schema, and the experiment, together: one at a time.
+    with FileLock(_lock_file(uri), timeout=600):
+        client = MlflowClient(tracking_uri=uri)
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            try:
+                return client, client.create_experiment(experiment, artifact_location=artifact_location(uri))
+            except MlflowException:  # created meanwhile by a process on another machine (a shared server)
+                found = client.get_experiment_by_name(experiment)
+                if found is None:
+                    raise
+    return client, found.experiment_id
+
+
+def _lock_file(uri: str) -> Path:
+    """Beside a SQLite store; for any other store, a file of this machine's named by its address."""
+    if uri.startswith("sqlite:///"):
+        db = Path(uri.removeprefix("sqlite:///"))
+        db.parent.mkdir(parents=True, exist_ok=True)
+        return db.with_name(db.name + ".lock")
+    return Path(tempfile.gettempdir()) / f"mlflow-{hashlib.md5(uri.encode()).hexdigest()}.lock"
 
 
 @contextlib.contextmanager
 def _terminated_on_exit(client: Any, run_id: str) -> Iterator[None]:
-    """FINISHED on success, KILLED on Ctrl-C or SIGTERM, FAILED on any other error."""
+    """FINISHED on success, KILLED on Ctrl-C or SIGTERM (or a stage that stopped on one, its work
+    saved), FAILED on any other error."""
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum: int, frame: Any) -> None:
@@ -135,7 +160,7 @@ def _terminated_on_exit(client: Any, run_id: str) -> Iterator[None]:
     signal.signal(signal.SIGTERM, on_term)
     try:
         yield
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Stopped):
         client.set_terminated(run_id, "KILLED")
         raise
     except BaseException:
