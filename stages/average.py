@@ -21,9 +21,10 @@ class AverageParams:
 
 
 def average_state_dicts(states: list[Weights], names: list[str]) -> Weights:
-    """Element-wise mean, accumulated in fp32 whatever the stored precision; keys and shapes must agree."""
+    """Element-wise mean, accumulated in fp64 whatever the stored precision (so N copies of one
+    checkpoint average to it exactly); keys and shapes must agree."""
     reference = states[0]
-    total = {k: v.detach().to(torch.float32).clone() for k, v in reference.items()}
+    total = {k: v.detach().to(torch.float64).clone() for k, v in reference.items()}
     for state, name in zip(states[1:], names[1:], strict=True):
         if state.keys() != reference.keys():
             raise PipelineError(f"{name}: its parameters differ from {names[0]}'s "
@@ -32,7 +33,7 @@ def average_state_dicts(states: list[Weights], names: list[str]) -> Weights:
             if v.shape != reference[k].shape:
                 raise PipelineError(f"{name}: parameter {k} has shape {tuple(v.shape)}, "
                                     f"{names[0]} has {tuple(reference[k].shape)}")
-            total[k] += v.to(torch.float32)
+            total[k] += v.to(torch.float64)
     return {k: (v / len(states)).to(reference[k].dtype) for k, v in total.items()}
 
 

@@ -24,7 +24,7 @@ BIN_WIDTHS = (1, 2, 3, 4, 6, 8)  # target-length bin widths tried; the tightest 
 
 
 def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int,
-                  seed: int | None) -> tuple[list[np.ndarray], int]:
+                  seed: int | None, keep: np.ndarray | None = None) -> tuple[list[np.ndarray], int]:
     """Group sentence indices into batches of at most `max_tokens` padded tokens per side.
 
     Pairs are binned by target length and ordered by source length inside each bin, ascending and
@@ -32,8 +32,8 @@ def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: 
     (1 to 8 target tokens) is the one that needs the fewest padded tokens for this data and budget:
     wide bins suit sparse data, narrow ones dense data. Lengths count the EOS (or BOS) the model
     adds. With a seed, pairs of equal lengths are ordered randomly (but reproducibly); without one,
-    in corpus order. Returns the batches and the number of pairs dropped because alone they exceed
-    the budget.
+    in corpus order. Pairs where `keep` is False are left out. Returns the batches and the number of
+    (kept) pairs dropped because alone they exceed the budget.
     """
     src_len = np.asarray(src_lengths, dtype=np.int64) + 1
     tgt_len = np.asarray(tgt_lengths, dtype=np.int64) + 1
@@ -41,6 +41,8 @@ def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: 
     if seed is not None:
         order = np.random.default_rng(seed).permutation(order)
     longest = np.maximum(src_len, tgt_len)
+    if keep is not None:
+        order = order[np.asarray(keep)[order]]
     fits = longest[order] <= max_tokens
     dropped = int((~fits).sum())
     order = order[fits]

@@ -31,6 +31,7 @@ from transformer.config import TransformerConfig
 
 CHECKPOINT_FORMAT = "transformer-pipeline/checkpoint/2"
 _FILE_NAME = re.compile(r"^(checkpoint|snapshot)-(\d+)\.pt$")
+_UNFINISHED = re.compile(r"^\.(checkpoint|snapshot)-\d+\.pt\..+\.tmp$")  # atomic_write's, cut short
 Weights = dict[str, torch.Tensor]
 
 
@@ -86,6 +87,15 @@ def write_checkpoint(directory: str | Path, checkpoint: Checkpoint, snapshot: bo
     with atomic_write(path, "wb") as f:
         torch.save(state, f)
     return path
+
+
+def remove_unfinished(directory: str | Path) -> list[Path]:
+    """Delete the temporary files of saves that a kill cut short (atomic_write's `.<name>.*.tmp`);
+    called before a run writes anything, when no save of the directory can be in progress."""
+    stale = [p for p in Path(directory).glob(".*.tmp") if _UNFINISHED.match(p.name)]
+    for p in stale:
+        p.unlink()
+    return stale
 
 
 def prune_checkpoints(directory: str | Path, keep: int) -> None:

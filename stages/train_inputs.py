@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from stages.batching import BatchSampler, Prefetcher, collate, token_batches
@@ -19,14 +20,23 @@ from transformer import TransformerConfig
 from transformer.model import training_flops
 
 
+def within_positions(corpus: ParallelIds, max_positions: int) -> np.ndarray:
+    """Pairs the model can embed: source + EOS and BOS + target within its positions."""
+    return (corpus.src_lengths < max_positions) & (corpus.tgt_lengths < max_positions)
+
+
 def training_sampler(corpus: ParallelIds, batch_tokens: int, grad_accum: int, seed: int, world: int,
-                     rank: int) -> tuple[BatchSampler, int, int]:
-    """(this process's sampler, tokens per micro-batch, pairs dropped as longer than that)."""
+                     rank: int, max_positions: int) -> tuple[BatchSampler, int, dict[str, int]]:
+    """(this process's sampler, tokens per micro-batch, pairs dropped: longer than the model's
+    positions, or alone longer than a micro-batch's budget)."""
     micro_tokens = batch_tokens // (world * grad_accum)
-    batches, dropped = token_batches(corpus.src_lengths, corpus.tgt_lengths, micro_tokens, seed)
+    keep = within_positions(corpus, max_positions)
+    batches, over_budget = token_batches(corpus.src_lengths, corpus.tgt_lengths, micro_tokens, seed, keep)
+    dropped = {"over_positions": int((~keep).sum()), "over_budget": over_budget}
     if not batches:
-        raise PipelineError(f"every training pair is longer than the batch budget of {micro_tokens} tokens per "
-                            f"micro-batch (train.batch_tokens / processes / grad_accum)")
+        raise PipelineError(f"no training pair fits: {dropped['over_budget']} are longer than the batch budget of "
+                            f"{micro_tokens} tokens per micro-batch (train.batch_tokens / processes / grad_accum) "
+                            f"and {dropped['over_positions']} longer than model.max_positions ({max_positions})")
     return BatchSampler(batches, seed, world, rank), micro_tokens, dropped
 
 
