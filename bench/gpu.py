@@ -164,7 +164,8 @@ def _marian(sizes: Sizes, work: Path, config, accum: int):
 
     device = default_device()
     corpus = ParallelIds(work / "encoded", "train")
-    sampler, _, _ = training_sampler(corpus, sizes.batch_tokens, accum, seed=1, world=1, rank=0)
+    sampler, _, _ = training_sampler(corpus, sizes.batch_tokens, accum, seed=1, world=1, rank=0,
+                                     max_positions=config.max_positions)
     vocab_size = vocab.load(work / "vocab").get_piece_size()
     inputs = StepInputs(corpus, config, vocab_size, accum, rank=0, pad_multiple=8 if device.type == "cuda" else 1,
                         pin=device.type == "cuda")

@@ -17,9 +17,12 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline by
 # busy machine that takes longer than Prefect's default 20 s.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
+import contextlib
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +64,38 @@ def run_stage(stage: str) -> str:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the stages' python
     env.setdefault("TQDM_MININTERVAL", "10")
     env["PYTHONUNBUFFERED"] = "1"  # the stage's lines reach the Prefect log as they are printed
+    # its own process group, so that a signal to the flow reaches the stage only as the flow passes it on
     proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "--single-item", stage], cwd=config.ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = _stream(proc, logger)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        lines = _stream(proc, logger)
+    except BaseException:  # Ctrl-C, or SIGTERM (which the tracking turns into KeyboardInterrupt)
+        _stop(proc, logger)
+        raise
     if proc.wait() != 0:
         reason = next((line for line in reversed(lines) if line.startswith(("error:", "ERROR:"))), "see its log")
         raise PipelineError(f"stage '{stage}' failed ({reason}); the stages before it keep their outputs")
     return "skipped" if any("didn't change, skipping" in line for line in lines) else "ran"
+
+
+def _stop(proc: subprocess.Popen, logger: Any, grace: float = 600) -> None:
+    """Stop `dvc repro` and its stage as Ctrl-C would, with SIGINT to its group: DVC waits for the
+    stage, the train stage finishes its step and saves it (exit status 75), any other stage stops at
+    once. What they print meanwhile still reaches the log; after `grace` seconds the rest is killed."""
+    def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    deadline = threading.Timer(grace, kill)
+    deadline.start()
+    try:
+        _stream(proc, logger)
+        proc.wait()
+    finally:
+        deadline.cancel()
 
 
 @flow(name="transformer-pipeline", log_prints=True)

@@ -26,7 +26,7 @@ from typing import Any
 
 from pipeline import config, tracking
 from pipeline.config import Params
-from stages.io import InputPath, OutputPath, PipelineError, file_digest, write_json
+from stages.io import EXIT_STOPPED, InputPath, OutputPath, PipelineError, Stopped, file_digest, write_json
 
 # Outputs each stage logs to MLflow as artifacts, and the stages whose CPU/GPU use MLflow samples.
 ARTIFACTS = {"vocab": ("out_dir",), "train": ("plots_dir",), "average": ("out_path",), "decode": ("out_dir",),
@@ -118,7 +118,9 @@ def parser(c: Contract, prog: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str], prog: str = "python -m pipeline.stage") -> int:
-    """`<stage> --flag path ...`: run one stage; errors in the input are one line, not a traceback."""
+    """`<stage> --flag path ...`: run one stage; errors in the input are one line, not a traceback.
+    Exit status: 0 done, 1 an error, 75 stopped by a signal with its work saved (run it again to go
+    on), 130 interrupted with nothing saved."""
     try:
         if not argv or argv[0].startswith("-"):
             raise PipelineError(f"usage: {prog} <stage> --<path> PATH ... (`python -m pipeline --help` lists them)")
@@ -128,6 +130,12 @@ def main(argv: list[str], prog: str = "python -m pipeline.stage") -> int:
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Stopped as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return EXIT_STOPPED
+    except KeyboardInterrupt:
+        print("interrupted: nothing of this stage's work is kept; run it again", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -24,6 +24,15 @@ class PipelineError(Exception):
     """A problem with the user's input or setup: its message is shown without a traceback."""
 
 
+# sysexits.h's EX_TEMPFAIL: a stage asked to stop by a signal stopped cleanly with its work saved; run it
+# again to go on from there (what a scheduler that requeues preempted jobs should do).
+EXIT_STOPPED = 75
+
+
+class Stopped(Exception):
+    """A stage stopped on request (SIGTERM, SIGINT, SIGUSR1) after saving what it had done."""
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
     """Write to a temporary file beside `path`, then rename: readers see the old file or the new, never half."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -20,19 +21,19 @@ from typing import Any, Literal
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast, set_seed
+from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from stages import vocab
 from stages.batching import collate, token_batches
 from stages.devices import default_device, mixed_precision, peak_flops
 from stages.encode import ParallelIds
-from stages.io import InputPath, OutputPath, PipelineError, check, require_dir
-from stages.model_files import Checkpoint, ModelMeta, list_checkpoints, prune_checkpoints, read_checkpoint, \
-    write_checkpoint
-from stages.train_inputs import StepInputs, StepStream, training_sampler
+from stages.io import InputPath, OutputPath, PipelineError, Stopped, check, require_dir
+from stages.model_files import Checkpoint, ModelMeta, checkpoint_path, list_checkpoints, prune_checkpoints, \
+    read_checkpoint, remove_unfinished, write_checkpoint
+from stages.train_inputs import StepInputs, StepStream, training_sampler, within_positions
 from stages.train_metrics import MetricsWindow, Progress, summary, write_curves
-from stages.train_state import CheckpointSchedule, RngStates, Stateful, UnwrappedModel, differences
+from stages.train_state import CheckpointSchedule, RngStates, Stateful, StopRequest, UnwrappedModel, differences
 from transformer import Transformer, TransformerConfig, inverse_sqrt_rate, label_smoothed_nll_loss
 
 MetricsLogger = Callable[[dict[str, float], int], None]
@@ -92,9 +93,10 @@ class Trainer:
         corpus, self.dev = ParallelIds(encoded_dir, "train"), ParallelIds(encoded_dir, "dev")
         if len(corpus) == 0:
             raise PipelineError(f"{encoded_dir}: the training set is empty")
-        self.sampler, self.micro_tokens, self.dropped = training_sampler(corpus, params.batch_tokens,
-                                                                         params.grad_accum, params.seed, world, rank)
-        dev_batches, _ = token_batches(self.dev.src_lengths, self.dev.tgt_lengths, self.micro_tokens, None)
+        self.sampler, self.micro_tokens, self.dropped = training_sampler(
+            corpus, params.batch_tokens, params.grad_accum, params.seed, world, rank, model_config.max_positions)
+        dev_batches, _ = token_batches(self.dev.src_lengths, self.dev.tgt_lengths, self.micro_tokens, None,
+                                       within_positions(self.dev, model_config.max_positions))
         self.dev_batches = dev_batches[rank::world]
 
         model = Transformer(model_config, vocab.load(vocab_dir).get_piece_size(), vocab.PAD_ID)
@@ -137,9 +139,12 @@ class Trainer:
             self.stream = None
 
     # -- one optimizer step ---------------------------------------------------------------------
-    def train_step(self) -> dict[str, Any]:
-        """One optimizer step. Nothing waits on the device but the check that the loss is finite
-        before the update: loss sums stay device tensors, token counts come from the host."""
+    def train_step(self, stop: int = 0, late: bool = False) -> dict[str, Any]:
+        """One optimizer step. Nothing waits on the device but the step's one agreement: whether the
+        loss is finite (checked before the update), and whether this process was asked to stop
+        (`stop`, a signal number) or its clock says a snapshot is due (`late`); every process learns
+        every process's flags, so all stop, or save, at the same step. Loss sums stay device tensors;
+        token counts come from the host."""
         acc, p = self.acc, self.params
         self.model.train()
         if self.stream is None:
@@ -157,9 +162,11 @@ class Trainer:
                 loss, nll = label_smoothed_nll_loss(logits, tgt_out, p.label_smoothing, vocab.PAD_ID)
                 acc.backward(loss * scale)
             loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
-        if not bool(torch.isfinite(loss_sum)):  # the step's one wait on the device
-            raise PipelineError(f"non-finite loss ({float(loss_sum)}) at step {self.progress.step + 1} on process "
-                                f"{acc.process_index}; stopped before the optimizer step")
+        nonfinite, stop, late = self._agree(loss_sum, stop, late)
+        if nonfinite:
+            value = float(loss_sum) if acc.process_index in nonfinite else "on another process"
+            raise PipelineError(f"non-finite loss ({value}) at step {self.progress.step + 1} on process "
+                                f"{', '.join(map(str, nonfinite))}; stopped before the optimizer step")
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), p.clip_norm if p.clip_norm > 0 else math.inf)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -167,7 +174,21 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
         return {"loss_sum": loss_sum, "nll_sum": nll_sum, "grad_norm": grad_norm, "lr": lr, "data_wait": waited,
-                **prepared.report}
+                "stop": stop, "late": late, **prepared.report}
+
+    def _agree(self, loss_sum: torch.Tensor, stop: int, late: bool) -> tuple[list[int], int, bool]:
+        """(processes whose loss is not finite, the signal any process was stopped by, any process
+        late), from one reduction read back to the host: the step's one wait on the device."""
+        acc = self.acc
+        local = torch.stack([torch.isfinite(loss_sum).logical_not().float(), loss_sum.new_full((), float(stop)),
+                             loss_sum.new_full((), float(late))])  # filled on the device: no copy, no wait
+        table = loss_sum.new_zeros(acc.num_processes, 3)
+        table[acc.process_index] = local
+        if acc.num_processes > 1:
+            table = acc.reduce(table, "sum")
+        rows = table.tolist()
+        nonfinite = [r for r, row in enumerate(rows) if row[0]]
+        return nonfinite, max(int(row[1]) for row in rows), any(row[2] for row in rows)
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -195,16 +216,28 @@ class Trainer:
         self.acc.wait_for_everyone()
 
     def resume(self, checkpoint_dir: Path) -> None:
-        """Continue from the newest checkpoint or snapshot that loads, if it is of this run."""
-        self.close()  # a prefetcher started before this would read from the old position
+        """Continue from the newest checkpoint or snapshot that loads, if it is of this run. A file that
+        is truncated or damaged is skipped, with a warning, for the one before it."""
+        self.close()  # a stream started before this would read from the old position
         for _, path in reversed(list_checkpoints(checkpoint_dir, snapshots=True)):
             try:
                 checkpoint = read_checkpoint(path)
-                break
-            except PipelineError as e:  # e.g. a disk that filled up: fall back to the one before
+            except PipelineError as e:  # e.g. cut short by a full disk
                 self.acc.print(f"warning: skipping {e}")
+                continue
+            try:
+                self._check(checkpoint, checkpoint_dir, path)
+                break
+            except Damaged as e:
+                self.acc.print(f"warning: skipping {path}: {e}")
         else:
             return
+        for name, part in self.parts.items():
+            part.load_state_dict(checkpoint.parts[name])
+        self.acc.print(f"resumed from {path} at step {self.progress.step}")
+
+    def _check(self, checkpoint: Checkpoint, checkpoint_dir: Path, path: Path) -> None:
+        """Refuse another run's checkpoint; find damage before anything is loaded."""
         if checkpoint.fingerprint != self.fingerprint:
             changed = differences(checkpoint.fingerprint, self.fingerprint)
             raise PipelineError(
@@ -214,8 +247,14 @@ class Trainer:
             raise PipelineError(f"{path}: holds the parts {sorted(checkpoint.parts)}, "
                                 f"this run has {sorted(self.parts)}")
         for name, part in self.parts.items():
-            part.load_state_dict(checkpoint.parts[name])
-        self.acc.print(f"resumed from {path} at step {self.progress.step}")
+            try:
+                getattr(part, "validate", lambda state: None)(checkpoint.parts[name])
+            except ValueError as e:
+                raise Damaged(str(e)) from None
+
+
+class Damaged(Exception):
+    """A checkpoint part that would not load."""
 
 
 def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: InputPath, vocab_dir: InputPath,
@@ -228,46 +267,59 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
     acc = accelerator or Accelerator(cpu=default_device().type == "cpu",
                                      mixed_precision=mixed_precision(params.precision))
     trainer = Trainer(model_config, params, encoded_dir=encoded_dir, vocab_dir=Path(vocab_dir), accelerator=acc)
+    if acc.is_main_process and checkpoint_dir.is_dir():
+        for stale in remove_unfinished(checkpoint_dir):
+            acc.print(f"removed {stale}, left by a save that was cut short")
+    acc.wait_for_everyone()
     trainer.resume(checkpoint_dir)
     log = log if (log is not None and acc.is_main_process) else (lambda metrics, step: None)
-    log({"parameters": trainer.n_parameters, "dropped_over_budget": trainer.dropped}, 0)
+    log({"parameters": trainer.n_parameters, **{f"dropped_{k}": v for k, v in trainer.dropped.items()}}, 0)
     acc.print(f"model: {trainer.n_parameters / 1e6:.1f}M parameters; {len(trainer.sampler)} batches per epoch "
-              f"per process; {trainer.dropped} pairs over the batch budget dropped")
-    try:
-        _loop(trainer, checkpoint_dir, log)
-    finally:
-        trainer.close()
+              f"per process; training pairs dropped: {trainer.dropped['over_positions']} longer than "
+              f"model.max_positions, {trainer.dropped['over_budget']} alone over a micro-batch's budget")
+    with StopRequest() as request:
+        try:
+            _loop(trainer, checkpoint_dir, log, request)
+        finally:
+            trainer.close()
+            if acc.is_main_process:
+                write_curves(plots_dir, trainer.progress)  # stopped or failed too: the curves so far
     if not list_checkpoints(checkpoint_dir):
         trainer.save(checkpoint_dir)  # max_steps 0 or already reached: still leave a model behind
-    if acc.is_main_process:
-        write_curves(plots_dir, trainer.progress)
     acc.wait_for_everyone()
-    return summary(trainer.progress, trainer.n_parameters, acc.num_processes, trainer.peak)
+    return {**summary(trainer.progress, trainer.n_parameters, acc.num_processes, trainer.peak),
+            **{f"dropped_{k}": v for k, v in trainer.dropped.items()}}
 
 
-def _loop(trainer: Trainer, checkpoint_dir: Path, log: MetricsLogger) -> None:
-    """Step to max_steps: log a row every log_every steps, validate, save when due."""
+def _loop(trainer: Trainer, checkpoint_dir: Path, log: MetricsLogger, request: StopRequest) -> None:
+    """Step to max_steps: log a row every log_every steps, validate, save when due; when asked to
+    stop, finish the step, save it and raise Stopped."""
     acc, params, progress = trainer.acc, trainer.params, trainer.progress
     window = MetricsWindow(trainer.micro_tokens, params.grad_accum, acc.num_processes, trainer.peak)
-    saves = CheckpointSchedule(params, lambda late: bool(broadcast(torch.tensor([late], device=acc.device)).item()))
+    saves = CheckpointSchedule(params, acc.is_main_process)
     bar = tqdm(total=params.max_steps, initial=progress.step, desc="train", unit=" steps",
                disable=not acc.is_main_process, mininterval=2)
     while progress.step < params.max_steps:
         start = time.perf_counter()
-        out = trainer.train_step()
+        out = trainer.train_step(stop=request.signum, late=saves.late())
         window.add(out, time.perf_counter() - start)
         bar.update(1)
-        step = progress.step
-        if step % params.log_every == 0 or step == params.max_steps:
+        step, stopping = progress.step, out["stop"]
+        if step % params.log_every == 0 or step == params.max_steps or stopping:
             row, flops, seconds = window.close(step, out, lambda t: acc.reduce(t.to(acc.device), "sum").cpu())
             progress.record(row, flops, seconds)
             log({k: v for k, v in progress.history[-1].items() if k != "step"}, step)
             bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tgt_tokens_per_sec']:.0f}")
-        if step % params.validate_every == 0 or step == params.max_steps:
+        if (step % params.validate_every == 0 or step == params.max_steps) and not stopping:
             valid = trainer.validate()
             progress.valid_history.append({"step": step, **valid})
             log(valid, step)
-        if kind := saves.due(step):
+        if kind := saves.due(step, out["late"]) or ("snapshot" if stopping else None):
             trainer.save(checkpoint_dir, snapshot=kind == "snapshot")
             saves.saved()
+        if stopping:
+            bar.close()
+            saved = checkpoint_path(checkpoint_dir, step, snapshot=kind == "snapshot")
+            raise Stopped(f"stopped by {signal.Signals(stopping).name} after step {step}, saved in {saved}; "
+                          f"run the stage again to go on from there")
     bar.close()
