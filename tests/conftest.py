@@ -2,6 +2,7 @@
 stages chained as the DAG chains them (download -> clean -> vocab -> encode -> train -> average) on
 real text, each run once per session in a temporary directory."""
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,20 @@ from transformer import TransformerConfig
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 TRAIN_LINES = 3000  # of each shared training sample, to keep the suite fast
-CLEAN = clean.CleanParams(max_tokens=80, max_ratio=1.5, drop_duplicates=True, normalize_punctuation=True,
-                          unicode_form="NFC", invalid_utf8="error", workers=2)
+CLEAN = clean.CleanParams(max_tokens=80, max_chars=1000, max_ratio=1.5, keep_copies=False, drop_duplicates=True,
+                          normalize_punctuation=True, unicode_form="NFC", invalid_utf8="error", workers=2)
 TINY = TransformerConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=1, decoder_layers=1, dropout=0.1,
                          attention_dropout=0.0, norm="post", positions="sinusoidal", max_positions=512)
+
+
+def wait_for(condition, timeout: float, what: str):
+    """Poll `condition` until it gives something true (returned), or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def train_params(**changes) -> train.TrainParams:

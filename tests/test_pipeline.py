@@ -1,15 +1,19 @@
 """The whole pipeline in a copy of the repository: the Prefect flow over dvc.yaml, MLflow's records
 and registered model, DVC's caching and experiments (a second run does nothing; `dvc exp run -S` of
 a decode parameter reruns decode and score only), and the report."""
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from conftest import wait_for
 from pipeline import dag, flow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +158,7 @@ def test_a_failed_stage_is_recorded_as_failed_and_keeps_earlier_outputs(flow_out
     _run(repo, sys.executable, "-m", "pipeline", "preset", "-S", "train.batch_tokens=1")
     proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=_env(repo), capture_output=True,
                           text=True, timeout=600)
-    assert proc.returncode != 0 and "longer than the batch budget of 1 tokens" in proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "longer than the batch budget of 1 tokens per micro-batch" in proc.stdout + proc.stderr
     assert (repo / "models/averaged.safetensors").is_file()  # finished stages keep their outputs
     from mlflow.tracking import MlflowClient
 
@@ -181,23 +185,82 @@ def test_a_bad_parameter_stops_every_stage_at_its_line_before_it_works(flow_outp
         params.write_text(saved, encoding="utf-8")
 
 
+def _saved(repo: Path) -> int:
+    from stages.model_files import list_checkpoints
+
+    return max((step for step, _ in list_checkpoints(repo / "models/checkpoints", snapshots=True)), default=0)
+
+
+def _processes_in(repo: Path) -> list:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.cwd() == str(repo) and p.pid != os.getpid():
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_dvc_repro_stops_promptly_when_its_job_is_signalled(flow_output, repo):
+    """SIGTERM to the job's processes, as Slurm and a terminal's kill of a job send it: DVC goes at
+    once, the train stage after the step in progress, which it saves."""
+    _run(repo, sys.executable, "-m", "pipeline", "preset", "-S", "train.batch_tokens=3000", "-S",
+         "train.max_steps=100000")
+    before = _saved(repo)
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "train"], cwd=repo, env=_env(repo),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for(lambda: _saved(repo) >= before + 10, 180, "training to go on")
+    os.killpg(proc.pid, signal.SIGTERM)
+    sent = time.monotonic()
+    wait_for(lambda: not _processes_in(repo), 60, "dvc and the stage to stop")
+    assert time.monotonic() - sent < 30
+    proc.communicate(timeout=10)
+    step = _saved(repo)
+    assert step > before + 10
+    assert subprocess.run([sys.executable, "-c", "import torch; from stages.model_files import list_checkpoints, "
+                           "read_checkpoint; print(read_checkpoint(list_checkpoints('models/checkpoints', True)[-1][1])"
+                           ".parts['progress']['step'])"], cwd=repo, env=_env(repo), capture_output=True, text=True,
+                          check=True).stdout.strip() == str(step)
+
+
+@pytest.mark.slow
+def test_the_flow_stops_promptly_on_sigterm_and_its_stage_saves(flow_output, repo):
+    """SIGTERM to the flow's process only (as Kubernetes sends it to a container's first process):
+    the flow passes it on, the train stage saves the step it was on, and the runs are KILLED."""
+    before = _saved(repo)
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", "-S", "train.max_steps=200000"], cwd=repo,
+                            env=_env(repo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: _saved(repo) >= before + 10, 300, "the flow's training to go on")
+        os.kill(proc.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        output, _ = proc.communicate(timeout=120)
+        assert time.monotonic() - sent < 60, output[-3000:]
+        assert "stopped by SIGINT after step" in output  # the flow passed it on as Ctrl-C
+        assert not _processes_in(repo)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the flow's temporary Prefect server, if it outlived it
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("transformer-en-de")
+    newest = {stage: client.search_runs([experiment.experiment_id], f"attributes.run_name = '{stage}'",
+                                        order_by=["attributes.start_time DESC"])[0] for stage in ("pipeline", "train")}
+    assert {stage: run.info.status for stage, run in newest.items()} == {"pipeline": "KILLED", "train": "KILLED"}
+
+
 def _free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait(condition, timeout: float, what: str):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.slow
@@ -215,7 +278,7 @@ def test_the_served_deployment_starts_a_run_with_a_preset_and_overrides(tmp_path
                               stderr=subprocess.DEVNULL, start_new_session=True)
     served = None
     try:
-        _wait(lambda: _healthy(f"http://127.0.0.1:{port}/api/health", urllib.request), 120, "the Prefect server")
+        wait_for(lambda: _healthy(f"http://127.0.0.1:{port}/api/health", urllib.request), 120, "the Prefect server")
         served = subprocess.Popen([sys.executable, "-m", "pipeline", "serve"], cwd=root, env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         from prefect.client.orchestration import get_client
@@ -229,7 +292,7 @@ def test_the_served_deployment_starts_a_run_with_a_preset_and_overrides(tmp_path
                 run = await client.create_flow_run_from_deployment(
                     deployment.id, parameters={"presets": ["quickstart"], "overrides": {"train.max_steps": 7}})
                 running = await _poll(lambda: _in_state(client, run.id, ("RUNNING", "COMPLETED")), 120)
-                text = _wait(lambda: "max_steps: 7" in (p := (root / "params.yaml").read_text()) and p, 60,
+                text = wait_for(lambda: "max_steps: 7" in (p := (root / "params.yaml").read_text()) and p, 60,
                              "params.yaml to change")
                 await client.set_flow_run_state(run.id, Cancelling(), force=True)
                 return running, text

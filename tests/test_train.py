@@ -164,26 +164,22 @@ def test_a_metrics_row_divides_the_window_sums_over_every_process():
     assert window.steps == 0 and window.sums["tokens"] == 0 and window.seconds == 0  # the next window starts afresh
 
 
-def test_checkpoints_are_due_by_steps_by_the_main_clock_and_at_the_end():
+def test_checkpoints_are_due_by_steps_snapshots_by_the_main_clock():
     now = [0.0]
-    decided = []
-
-    def agree(late):
-        decided.append(late)
-        return late
-
     params = train_params(max_steps=10, checkpoint_every_steps=4, checkpoint_every_minutes=1.0)
-    schedule = CheckpointSchedule(params, agree, clock=lambda: now[0])
-    assert {s: schedule.due(s) for s in range(1, 11) if schedule.due(s)} == {4: "checkpoint", 8: "checkpoint",
-                                                                            10: "checkpoint"}
+    schedule = CheckpointSchedule(params, is_main=True, clock=lambda: now[0])
+    assert {s: schedule.due(s, late=False) for s in range(1, 11) if schedule.due(s, late=False)} == \
+        {4: "checkpoint", 8: "checkpoint", 10: "checkpoint"}
+    assert not schedule.late()
     now[0] = 61.0
-    assert schedule.due(5) == "snapshot" and decided[-1] is True  # a minute since the last save: crash safety
-    assert schedule.due(8) == "checkpoint"  # on the spacing it is a checkpoint, late or not
+    assert schedule.late() and not CheckpointSchedule(params, is_main=False, clock=lambda: now[0]).late()
+    assert schedule.due(5, late=True) == "snapshot"  # a minute since the last save: crash safety
+    assert schedule.due(8, late=True) == "checkpoint"  # on the spacing it is a checkpoint, late or not
     schedule.saved()
-    assert schedule.due(6) is None
-    by_steps = CheckpointSchedule(train_params(max_steps=10, checkpoint_every_minutes=0.0),
-                                        lambda late: pytest.fail("no clock to agree on"))
-    assert [s for s in range(1, 11) if by_steps.due(s)] == [2, 4, 6, 8, 10]
+    assert not schedule.late() and schedule.due(6, late=False) is None
+    by_steps = CheckpointSchedule(train_params(max_steps=10, checkpoint_every_minutes=0.0), is_main=True,
+                                  clock=lambda: 1e9)
+    assert not by_steps.late() and [s for s in range(1, 11) if by_steps.due(s, False)] == [2, 4, 6, 8, 10]
 
 
 def test_progress_records_totals_and_survives_its_state(tmp_path):
@@ -255,7 +251,7 @@ def test_a_run_resumed_from_a_snapshot_equals_one_never_stopped(encoded, vocab_d
 SYNCS = {"item", "__float__", "__int__", "__bool__", "__index__", "tolist", "nonzero", "numpy", "cpu"}
 
 
-def test_a_step_waits_on_the_device_only_to_check_the_loss_is_finite(encoded, vocab_dir):
+def test_a_step_waits_on_the_device_only_for_its_one_agreement(encoded, vocab_dir):
     """Every call that reads a tensor's value back to the host (or indexes with a boolean mask, which
     does) during one optimizer step with gradient accumulation, watched as torch dispatches them."""
     from torch.overrides import TorchFunctionMode
@@ -278,7 +274,7 @@ def test_a_step_waits_on_the_device_only_to_check_the_loss_is_finite(encoded, vo
     with Watch() as watch:
         out = trainer.train_step()
     trainer.close()
-    assert watch.reads == ["__bool__"]  # bool(torch.isfinite(loss_sum))
+    assert watch.reads == ["tolist"]  # the step's agreement: loss finite? asked to stop? snapshot due?
     assert isinstance(out["loss_sum"], torch.Tensor) and isinstance(out["grad_norm"], torch.Tensor)
 
 

@@ -1,0 +1,208 @@
+"""Faults and bad input as an operator meets them, each through the real command line or stage
+function: a stop signal to a training run (one process and two), lines too long to learn from,
+the padding token, a bad split found late, untranslated copies, eight stages starting at once
+against a new tracking store, a damaged checkpoint, a save cut short, and averaging copies."""
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import CLEAN, TINY, train_params, wait_for
+from stages import average, clean, decode, train, vocab
+from stages.io import EXIT_STOPPED, PipelineError, read_lines, write_manifest
+from stages.model_files import list_checkpoints, read_checkpoint, write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _params_file(tmp_path: Path, **overrides) -> Path:
+    from pipeline.config import PARAMS_FILE
+    from pipeline.presets import apply_overrides, load_preset
+
+    path = tmp_path / "params.yaml"
+    path.write_text(PARAMS_FILE.read_text())
+    apply_overrides({**load_preset("quickstart"), "train.batch_tokens": 1500, "train.log_every": 5,
+                     "train.validate_every": 1000, "train.checkpoint_every_steps": 5, **overrides}, path)
+    return path
+
+
+def _train_command(params: Path, encoded: Path, vocab_dir: Path, out: Path) -> list[str]:
+    return ["-m", "pipeline.stage", "train", "--params", str(params), "--encoded-dir", str(encoded),
+            "--vocab-dir", str(vocab_dir), "--checkpoint-dir", str(out / "ckpt"), "--plots-dir", str(out / "plots"),
+            "--metrics", str(out / "train.json")]
+
+
+def _saved_step(ckpt: Path) -> int:
+    return list_checkpoints(ckpt, snapshots=True)[-1][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
+def test_a_stop_signal_finishes_the_step_saves_it_and_exits_75(signum, encoded, vocab_dir, tmp_path):
+    params = _params_file(tmp_path, **{"train.max_steps": 100000})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, *_train_command(params, encoded[0], vocab_dir, tmp_path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (tmp_path / "ckpt/checkpoint-00000005.pt").exists(), 180, "the first checkpoint")
+    proc.send_signal(signum)
+    sent = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, err[-2000:]
+    assert time.monotonic() - sent < 30
+    step = _saved_step(tmp_path / "ckpt")
+    assert step >= 5 and err.strip().splitlines()[-1].startswith(
+        f"stopped: stopped by {signal.Signals(signum).name} after step {step}, saved in ")
+    assert read_checkpoint(list_checkpoints(tmp_path / "ckpt", snapshots=True)[-1][1]).parts["progress"]["step"] == step
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("transformer-en-de").experiment_id])
+    assert [r.info.status for r in runs] == ["KILLED"]
+
+    # run again: it goes on from the saved step
+    again = _params_file(tmp_path, **{"train.max_steps": step + 2})
+    resumed = subprocess.run([sys.executable, *_train_command(again, encoded[0], vocab_dir, tmp_path)], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout + resumed.stderr
+    assert json.loads((tmp_path / "train.json").read_text())["steps"] == step + 2
+
+
+@pytest.mark.slow
+def test_processes_agree_on_the_step_at_which_they_stop(encoded, vocab_dir, tmp_path):
+    """torchrun, two CPU processes; the signal reaches one of them only."""
+    params = _params_file(tmp_path, **{"train.max_steps": 100000})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             *_train_command(params, encoded[0], vocab_dir, tmp_path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (tmp_path / "ckpt/checkpoint-00000005.pt").exists(), 240, "the first checkpoint")
+    import psutil
+
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if "pipeline.stage" in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    os.kill(max(w.pid for w in workers), signal.SIGTERM)  # the second worker only
+    _, err = proc.communicate(timeout=180)
+    step = _saved_step(tmp_path / "ckpt")
+    stops = [line for line in err.splitlines() if "stopped by SIGTERM after step" in line]
+    assert len(stops) == 2 and all(f"after step {step}," in line for line in stops)  # both, at the saved step
+    assert len(read_checkpoint(list_checkpoints(tmp_path / "ckpt", snapshots=True)[-1][1]).parts["rng"]) == 2
+
+
+def test_pairs_longer_than_the_models_positions_are_dropped_and_counted(encoded, vocab_dir, tmp_path):
+    from stages.encode import ParallelIds
+
+    short = dataclasses.replace(TINY, max_positions=24)
+    corpus, dev = ParallelIds(encoded[0], "train"), ParallelIds(encoded[0], "dev")
+    over = int(((corpus.src_lengths >= 24) | (corpus.tgt_lengths >= 24)).sum())
+    assert over > 100 and ((dev.src_lengths >= 24) | (dev.tgt_lengths >= 24)).any()
+    out = train.run(short, train_params(max_steps=4, validate_every=2), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+                    checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p")
+    assert out["steps"] == 4 and out["dropped_over_positions"] == over and np.isfinite(out["valid_loss"])
+
+
+def _raw(tmp_path: Path, train: tuple[list[str], list[str]], test_de_extra: str = "") -> Path:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "train.en").write_text("".join(line + "\n" for line in train[0]), encoding="utf-8")
+    (raw / "train.de").write_text("".join(line + "\n" for line in train[1]), encoding="utf-8")
+    for split in ("dev", "test"):
+        (raw / f"{split}.en").write_text("a\n", encoding="utf-8")
+        (raw / f"{split}.de").write_text("a\n" + (test_de_extra if split == "test" else ""), encoding="utf-8")
+    write_manifest(raw, "en", "de", {"train": len(train[0]), "dev": 1, "test": 1})
+    return raw
+
+
+def test_clean_drops_a_line_of_too_many_characters_and_copies_of_the_source(tmp_path):
+    no_spaces = "x" * 1_000_000  # one "word" of a megabyte
+    src = ["A real sentence.", no_spaces, "Untranslated text", "Hello there."]
+    tgt = ["Ein echter Satz.", "kurz", "Untranslated text", "Hallo zusammen."]
+    m = clean.run(CLEAN, raw_dir=_raw(tmp_path, (src, tgt)), out_dir=tmp_path / "out")
+    assert (m["dropped_too_many_characters"], m["dropped_source_equals_target"], m["train_pairs"]) == (1, 1, 2)
+    assert list(read_lines(tmp_path / "out/train.en")) == ["A real sentence.", "Hello there."]
+    kept = clean.run(dataclasses.replace(CLEAN, keep_copies=True), raw_dir=tmp_path / "raw", out_dir=tmp_path / "o2")
+    assert kept["dropped_source_equals_target"] == 0 and kept["train_pairs"] == 3
+
+
+def test_clean_checks_every_split_before_writing_anything(tmp_path):
+    raw = _raw(tmp_path, (["Hello."], ["Hallo."]), test_de_extra="one line too many\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "train.en").write_text("the previous run's\n")
+    with pytest.raises(PipelineError, match=r"test.en has 1 lines, .*test.de has 2"):
+        clean.run(CLEAN, raw_dir=raw, out_dir=out)
+    assert sorted(p.name for p in out.iterdir()) == ["train.en"] and (out / "train.en").read_text() == "the previous run's\n"
+    assert not list(tmp_path.glob(".out-*"))  # no staging left behind
+
+
+def test_translations_never_contain_padding_or_bos_and_ignore_the_padding_row(averaged, vocab_dir, cleaned):
+    lines = list(read_lines(cleaned[0] / "dev.en"))[:60]
+    params = decode.DecodeParams(beam_size=3, length_penalty=0.6, length_penalty_formula="gnmt", max_length_extra=5,
+                                 batch_tokens=2000)
+    model = decode.load_translator(averaged[0], torch.device("cpu"))
+    sp = vocab.load(vocab_dir)
+    before = decode.translate(model, sp, lines, params)
+    with torch.no_grad():
+        model.embed.weight[vocab.PAD_ID] = 50 * model.embed.weight.abs().max()  # would win every step
+        model.embed.weight[vocab.BOS_ID] = model.embed.weight[vocab.PAD_ID]
+    assert decode.translate(model, sp, lines, params) == before
+    from transformer import IncrementalDecoder, beam_search
+
+    src = torch.tensor([sp.encode(line)[:20] + [vocab.EOS_ID] for line in lines[:4] if len(sp.encode(line)) >= 20])
+    with torch.no_grad():
+        found = beam_search(IncrementalDecoder(model, src, 3, never=(vocab.PAD_ID, vocab.BOS_ID)), len(src), 3,
+                            torch.full((len(src),), 25), vocab.BOS_ID, vocab.EOS_ID, 0.6)
+    assert all(vocab.PAD_ID not in h.tokens and vocab.BOS_ID not in h.tokens for hyps in found for h in hyps)
+
+
+@pytest.mark.slow
+def test_eight_stages_starting_at_once_against_a_new_store_all_record_everything(tmp_path):
+    script = ("import sys\nfrom pipeline import tracking\ni = int(sys.argv[1])\n"
+              "with tracking.stage_run(f'stage{i}', 'transformer-en-de', {'p': i}, {}, False) as t:\n"
+              "    for step in range(10):\n        t.log_metrics({'m': float(step)}, step)\n")
+    uri = f"sqlite:///{tmp_path / 'fresh/mlflow.db'}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(i)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(8)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert all(rc == 0 for rc, _ in results), [err[-500:] for rc, err in results if rc]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("transformer-en-de").experiment_id])
+    assert len(runs) == 8 and {r.info.status for r in runs} == {"FINISHED"}
+    assert all(len(client.get_metric_history(r.info.run_id, "m")) == 10 for r in runs)
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_and_stale_temporary_files_removed(encoded, vocab_dir, tmp_path,
+                                                                                  capsys):
+    run = lambda steps: train.run(TINY, train_params(max_steps=steps), encoded_dir=encoded[0],  # noqa: E731
+                                  vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p")
+    run(4)
+    newest = read_checkpoint(tmp_path / "c/checkpoint-00000004.pt")
+    newest.parts["rng"][0]["cpu"] = torch.zeros(7, dtype=torch.uint8)  # not a generator's state
+    write_checkpoint(tmp_path / "c", newest)
+    stale = tmp_path / "c/.checkpoint-00000006.pt.k3j2_x.tmp"  # a save a kill cut short
+    stale.write_bytes(b"half a checkpoint")
+    capsys.readouterr()
+    assert run(6)["steps"] == 6
+    out = capsys.readouterr().out
+    assert "warning: skipping" in out and "checkpoint-00000004.pt: its random number generator state is damaged" in out
+    assert "resumed from" in out and "checkpoint-00000002.pt at step 2" in out
+    assert not stale.exists() and f"removed {stale}" in out
+
+
+def test_averaging_copies_of_one_checkpoint_returns_it_exactly(trained):
+    state = read_checkpoint(trained[0] / "checkpoint-00000006.pt").parts["model"]
+    for n in (3, 7):
+        for k, v in average.average_state_dicts([state] * n, [str(i) for i in range(n)]).items():
+            assert torch.equal(v, state[k]), (n, k)
