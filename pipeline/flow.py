@@ -17,43 +17,79 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline by
 # busy machine that takes longer than Prefect's default 20 s.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
+import codecs
 import contextlib
 import re
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_progress_artifact, \
+    update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from pipeline import config, dag, registry, tracking
 from pipeline import presets as presets_module  # the flow's parameter is named presets
 from stages.io import PipelineError, read_json
+from stages.train_metrics import parse_progress
 
 METRICS_DIR = config.ROOT / dag.paths()["metrics"]
 DEPLOYMENT = "transformer-pipeline"
 RETRIES = {"download": 3}  # stage -> retries; the others fail for reasons a retry does not fix
 
 
-def _stream(proc: subprocess.Popen, logger: Any) -> list[str]:
-    """Forward a process's output line by line; progress bars' carriage returns end a line too."""
-    lines, pending = [], ""
+def _stream(proc: subprocess.Popen, on_line: Callable[[str], None]) -> None:
+    """Hand each line of a process's output to `on_line` as soon as it is printed (reading whatever
+    the pipe holds, never waiting for a block to fill); progress bars' carriage returns end a line."""
     assert proc.stdout is not None
-    for chunk in iter(lambda: proc.stdout.read(4096), ""):
-        parts = re.split(r"[\r\n]", pending + chunk)
-        pending = parts.pop()
-        for line in filter(str.strip, parts):
-            logger.info(line)
-            lines.append(line)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""
+    while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+        *lines, pending = re.split(r"[\r\n]", pending + decoder.decode(chunk))
+        for line in filter(str.strip, lines):
+            on_line(line)
+    pending += decoder.decode(b"", final=True)
     if pending.strip():
-        logger.info(pending)
-        lines.append(pending)
-    return lines
+        on_line(pending)
+
+
+# DVC's advice after a stage, which the flow's log can do without; its own messages stay.
+DVC_ADVICE = re.compile(r"^\s*(To track the changes with git, run:|git add |To enable auto staging, run:|"
+                        r"dvc config core\.autostage|Use `dvc push` to send your updates)")
+
+
+class StageOutput:
+    """What a stage prints, as the flow shows it: each line in the task's log as it comes (DVC's
+    advice left out); the train stage's progress as a progress artifact (step / max_steps, loss,
+    tokens/s); the stage's live MLflow run as a link artifact."""
+
+    def __init__(self, stage: str, logger: Any) -> None:
+        self.stage, self.logger = stage, logger
+        self.lines: list[str] = []
+        self.progress_id: Any = None
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        if DVC_ADVICE.match(line):
+            return
+        self.logger.info(line)
+        if url := tracking.run_url_in(line):
+            create_link_artifact(url, link_text=f"MLflow run of the {self.stage} stage", key=f"mlflow-{self.stage}",
+                                 description=f"The {self.stage} stage's MLflow run, live while it works")
+        elif (progress := parse_progress(line)) is not None:
+            step, max_steps, loss, rate = progress
+            description = f"{self.stage}: step {step:,} of {max_steps:,}, loss {loss:.3f}, {rate:,.0f} target tokens/s"
+            if self.progress_id is None:
+                self.progress_id = create_progress_artifact(100 * step / max_steps, key=f"{self.stage}-progress",
+                                                            description=description)
+            else:
+                update_progress_artifact(self.progress_id, 100 * step / max_steps, description=description)
 
 
 @task(cache_policy=NO_CACHE, task_run_name="{stage}")
@@ -66,20 +102,21 @@ def run_stage(stage: str) -> str:
     env["PYTHONUNBUFFERED"] = "1"  # the stage's lines reach the Prefect log as they are printed
     # its own process group, so that a signal to the flow reaches the stage only as the flow passes it on
     proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "--single-item", stage], cwd=config.ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    output = StageOutput(stage, logger)
     try:
-        lines = _stream(proc, logger)
+        _stream(proc, output)
     except BaseException:  # Ctrl-C, or SIGTERM (which the tracking turns into KeyboardInterrupt)
-        _stop(proc, logger)
+        _stop(proc, output)
         raise
+    lines = output.lines
     if proc.wait() != 0:
         reason = next((line for line in reversed(lines) if line.startswith(("error:", "ERROR:"))), "see its log")
         raise PipelineError(f"stage '{stage}' failed ({reason}); the stages before it keep their outputs")
     return "skipped" if any("didn't change, skipping" in line for line in lines) else "ran"
 
 
-def _stop(proc: subprocess.Popen, logger: Any, grace: float = 600) -> None:
+def _stop(proc: subprocess.Popen, on_line: Callable[[str], None], grace: float = 600) -> None:
     """Stop `dvc repro` and its stage as Ctrl-C would, with SIGINT to its group: DVC waits for the
     stage, the train stage finishes its step and saves it (exit status 75), any other stage stops at
     once. What they print meanwhile still reaches the log; after `grace` seconds the rest is killed."""
@@ -92,7 +129,7 @@ def _stop(proc: subprocess.Popen, logger: Any, grace: float = 600) -> None:
     deadline = threading.Timer(grace, kill)
     deadline.start()
     try:
-        _stream(proc, logger)
+        _stream(proc, on_line)
         proc.wait()
     finally:
         deadline.cancel()
@@ -139,5 +176,6 @@ def report_markdown(scores: dict[str, Any], parent: tracking.Tracker, version: s
 
 def serve() -> None:
     """Serve the flow as a deployment: the Prefect UI's "Run" takes presets and overrides."""
+    names = ", ".join(presets_module.preset_names())
     pipeline.serve(name=DEPLOYMENT, parameters={"presets": [], "overrides": {}},
-                   description="The Transformer pipeline of dvc.yaml; presets: " + ", ".join(presets_module.preset_names()))
+                   description=f"The Transformer pipeline of dvc.yaml; presets: {names}")

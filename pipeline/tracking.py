@@ -205,6 +205,7 @@ def stage_run(stage: str, experiment: str, params: dict[str, Any], tags: dict[st
         all_tags["mlflow.parentRunId"] = parent
     run = client.create_run(experiment_id, run_name=stage, tags=all_tags)
     tracker = Tracker(client, run.info.run_id, experiment_id)
+    print(f"{RUN_LINE}{run_url(tracker)}", flush=True)
     monitor = _system_metrics(run.info.run_id) if system_metrics else contextlib.nullcontext()
     with _terminated_on_exit(client, run.info.run_id), monitor:
         tracker.log_params(params)
@@ -237,6 +238,14 @@ def fail_orphans(client: Any, experiment_id: str, parent_run_id: str) -> None:
     for child in client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}' "
                                                      "and attributes.status = 'RUNNING'"):
         client.set_terminated(child.info.run_id, "FAILED")
+
+
+RUN_LINE = "mlflow run: "  # what a stage prints first: where its live run is, for the flow to link
+
+
+def run_url_in(line: str) -> str | None:
+    """The MLflow run address a stage announced in this line of its output, if it is that line."""
+    return line.strip().removeprefix(RUN_LINE) if line.strip().startswith(RUN_LINE) else None
 
 
 def run_url(tracker: Tracker) -> str | None:

@@ -32,7 +32,7 @@ from stages.io import InputPath, OutputPath, PipelineError, Stopped, check, requ
 from stages.model_files import Checkpoint, ModelMeta, checkpoint_path, list_checkpoints, prune_checkpoints, \
     read_checkpoint, remove_unfinished, write_checkpoint
 from stages.train_inputs import StepInputs, StepStream, training_sampler, within_positions
-from stages.train_metrics import MetricsWindow, Progress, summary, write_curves
+from stages.train_metrics import MetricsWindow, Progress, progress_line, summary, write_curves
 from stages.train_state import CheckpointSchedule, RngStates, Stateful, StopRequest, UnwrappedModel, differences
 from transformer import Transformer, TransformerConfig, inverse_sqrt_rate, label_smoothed_nll_loss
 
@@ -309,6 +309,8 @@ def _loop(trainer: Trainer, checkpoint_dir: Path, log: MetricsLogger, request: S
             row, flops, seconds = window.close(step, out, lambda t: acc.reduce(t.to(acc.device), "sum").cpu())
             progress.record(row, flops, seconds)
             log({k: v for k, v in progress.history[-1].items() if k != "step"}, step)
+            if acc.is_main_process:
+                tqdm.write(progress_line(row, params.max_steps))
             bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tgt_tokens_per_sec']:.0f}")
         if (step % params.validate_every == 0 or step == params.max_steps) and not stopping:
             valid = trainer.validate()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,3 +117,20 @@ def summary(progress: Progress, parameters: int, num_processes: int, peak: float
     if peak:
         out["mfu"] = mean("mfu")
     return out
+
+
+# The line the train stage prints at each log row, which the Prefect flow turns into its progress
+# artifact: written and read here only.
+_PROGRESS = re.compile(r"^step (\d+)/(\d+): loss ([\d.]+|nan|inf), ([\d,.]+) target tokens/s$")
+
+
+def progress_line(row: dict[str, float], max_steps: int) -> str:
+    rate = row["tgt_tokens_per_sec"]
+    return f"step {int(row['step'])}/{max_steps}: loss {row['loss']:.3f}, {rate:,.0f} target tokens/s"
+
+
+def parse_progress(line: str) -> tuple[int, int, float, float] | None:
+    """(step, max_steps, loss, target tokens/s) of a progress line, or None for any other line."""
+    if m := _PROGRESS.match(line.strip()):
+        return int(m[1]), int(m[2]), float(m[3]), float(m[4].replace(",", ""))
+    return None

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
-from pipeline import dag, flow
+from pipeline import dag, flow, tracking
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,7 +158,8 @@ def test_a_failed_stage_is_recorded_as_failed_and_keeps_earlier_outputs(flow_out
     _run(repo, sys.executable, "-m", "pipeline", "preset", "-S", "train.batch_tokens=1")
     proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=_env(repo), capture_output=True,
                           text=True, timeout=600)
-    assert proc.returncode != 0 and "longer than the batch budget of 1 tokens per micro-batch" in proc.stdout + proc.stderr
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "longer than the batch budget of 1 tokens per micro-batch" in output
     assert (repo / "models/averaged.safetensors").is_file()  # finished stages keep their outputs
     from mlflow.tracking import MlflowClient
 
@@ -179,7 +180,8 @@ def test_a_bad_parameter_stops_every_stage_at_its_line_before_it_works(flow_outp
         proc = subprocess.run([sys.executable, "-m", "pipeline", "clean", "--raw-dir", "data/raw", "--out-dir",
                                "elsewhere"], cwd=repo, env=_env(repo), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 1
-        assert proc.stderr.strip().endswith(f"params.yaml:{line}: decode.beam_size: must be at least 1 (1: greedy), not 0")
+        assert proc.stderr.strip().endswith(
+            f"params.yaml:{line}: decode.beam_size: must be at least 1 (1: greedy), not 0")
         assert not (repo / "elsewhere").exists()
     finally:
         params.write_text(saved, encoding="utf-8")
@@ -263,51 +265,135 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_the_served_deployment_starts_a_run_with_a_preset_and_overrides(tmp_path_factory):
-    """A Prefect server on a free loopback port, the flow served as a deployment, a run started as
-    the UI's Run button starts one: the run carries the parameters and the served tree applies them."""
-    import asyncio
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    """A Prefect server of the tests' own, on a free loopback port."""
     import urllib.request
 
-    root = _copy_project(tmp_path_factory)  # a copy of its own: this run changes its params.yaml
     port = _free_port()
-    env = {**_env(root), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    url = f"http://127.0.0.1:{port}/api"
+    home = tmp_path_factory.mktemp("prefect-server")
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                               "--port", str(port)], cwd=root, env=env, stdout=subprocess.DEVNULL,
+                               "--port", str(port)], cwd=home, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
-    served = None
     try:
-        wait_for(lambda: _healthy(f"http://127.0.0.1:{port}/api/health", urllib.request), 120, "the Prefect server")
-        served = subprocess.Popen([sys.executable, "-m", "pipeline", "serve"], cwd=root, env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        from prefect.client.orchestration import get_client
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        wait_for(lambda: _healthy(f"{url}/health", urllib.request), 120, "the Prefect server")
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+
+
+def _api(url: str, work):
+    """Run `work(client)` (a coroutine function) against the Prefect server at `url`."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    async def run():
+        async with get_client() as client:
+            return await work(client)
+
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        return asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_a_run_is_watchable_live_and_ends_crashed_when_stopped(flow_output, repo, prefect_api):
+    """While the train stage works, the flow's log has its lines within seconds, without DVC's advice,
+    with a progress artifact and a link to the stage's MLflow run; SIGTERM to the flow ends it, and
+    its running task, Crashed or Cancelled, and its MLflow run KILLED."""
+    from mlflow.tracking import MlflowClient
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, \
+        LogFilterFlowRunId
+
+    env = {**_env(repo), "PREFECT_API_URL": prefect_api}
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", "-S", "train.max_steps=400000"], cwd=repo,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+    async def progress(client):
+        runs = await client.read_flow_runs()
+        if not runs:
+            return None
+        run = runs[0]
+        artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+        by_key = {a.key: a for a in artifacts}
+        if "train-progress" not in by_key or "mlflow-train" not in by_key:
+            return None
+        logs, page = [], True
+        while page:  # every log of the run, a page at a time
+            page = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])),
+                                          limit=200, offset=len(logs))
+            logs += page
+        if not any(re.match(r"step \d+/400000: loss", log.message) for log in logs):
+            return None  # logs reach the server in batches, every two seconds
+        return run, by_key, logs
+
+    try:
+        run, artifacts, logs = wait_for(lambda: _api(prefect_api, progress), 300, "the train stage's progress")
+        bar = artifacts["train-progress"]
+        assert 0 < bar.data < 100 and "of 400,000, loss" in bar.description
+        messages = [log.message for log in logs]
+        assert not any("To track the changes with git" in m or "dvc push" in m for m in messages)
+        # a stage's first line names its MLflow run (the train stage's is the newest): from the run's
+        # creation to the line in the flow's log, seconds at most
+        announced = [log for log in logs if log.message.startswith(tracking.RUN_LINE)][-1]
+        assert announced.message.removeprefix(tracking.RUN_LINE) in artifacts["mlflow-train"].data
+        run_id = announced.message.rsplit("/", 1)[-1]
+        started = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}").get_run(run_id).info.start_time / 1000
+        delay = announced.timestamp.timestamp() - started
+        print(f"from a stage's first print to the flow's log: {delay:.2f} s")
+        assert delay < 5
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    async def states(client):
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        flow_run = await client.read_flow_run(run.id)
+        tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+        return flow_run.state_type.value, {t.name: t.state_type.value for t in tasks}
+
+    flow_state, task_states = _api(prefect_api, states)
+    assert flow_state in ("CRASHED", "CANCELLED") and task_states["train"] in ("CRASHED", "CANCELLED")
+    assert all(state == "COMPLETED" for name, state in task_states.items() if name != "train")
+
+
+@pytest.mark.slow
+def test_the_served_deployment_starts_a_run_with_a_preset_and_overrides(tmp_path_factory, prefect_api):
+    """A Prefect server on a free loopback port, the flow served as a deployment, a run started as
+    the UI's Run button starts one: the run carries the parameters and the served tree applies them."""
+    root = _copy_project(tmp_path_factory)  # a copy of its own: this run changes its params.yaml
+    env = {**_env(root), "PREFECT_API_URL": prefect_api, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    served = subprocess.Popen([sys.executable, "-m", "pipeline", "serve"], cwd=root, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
         from prefect.states import Cancelling
 
-        async def start_and_watch():
-            async with get_client() as client:
-                name = f"{flow.pipeline.name}/{flow.DEPLOYMENT}"
-                deployment = await _poll(lambda: client.read_deployment_by_name(name), 90)
-                run = await client.create_flow_run_from_deployment(
-                    deployment.id, parameters={"presets": ["quickstart"], "overrides": {"train.max_steps": 7}})
-                running = await _poll(lambda: _in_state(client, run.id, ("RUNNING", "COMPLETED")), 120)
-                text = wait_for(lambda: "max_steps: 7" in (p := (root / "params.yaml").read_text()) and p, 60,
-                             "params.yaml to change")
-                await client.set_flow_run_state(run.id, Cancelling(), force=True)
-                return running, text
+        async def start_and_watch(client):
+            name = f"{flow.pipeline.name}/{flow.DEPLOYMENT}"
+            deployment = await _poll(lambda: client.read_deployment_by_name(name), 90)
+            run = await client.create_flow_run_from_deployment(
+                deployment.id, parameters={"presets": ["quickstart"], "overrides": {"train.max_steps": 7}})
+            running = await _poll(lambda: _in_state(client, run.id, ("RUNNING", "COMPLETED")), 120)
+            text = wait_for(lambda: "max_steps: 7" in (p := (root / "params.yaml").read_text()) and p, 60,
+                            "params.yaml to change")
+            await client.set_flow_run_state(run.id, Cancelling(), force=True)
+            return running, text
 
-        with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
-            running, text = asyncio.run(start_and_watch())
+        running, text = _api(prefect_api, start_and_watch)
         assert running.parameters == {"presets": ["quickstart"], "overrides": {"train.max_steps": 7}}
         assert "d_model: 128" in text  # the quickstart preset, then the override, applied in the served tree
     finally:
-        import signal
-
-        for proc in (served, server):  # each with whatever it started (the run, its dvc and stage processes)
-            if proc is not None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+        os.killpg(served.pid, signal.SIGKILL)  # with whatever it started (the run, its dvc and stage processes)
+        served.wait(timeout=30)
 
 
 def _healthy(url: str, request) -> bool:
