@@ -1,5 +1,6 @@
 """Stage 6, average: the mean of the last N checkpoints' weights (paper section 6.1: the last 5 for
-base, 20 for big), as one weights-only model that decoding loads and nobody resumes training from.
+base, 20 for big) of the setup trained last, as one weights-only model that decoding loads and
+nobody resumes training from.
 Checkpoints are spaced in steps (train.checkpoint_every_steps, the paper's 10 minutes on 8 P100s:
 1,400 base or 600 big steps), whatever the hardware; snapshots written on a clock are not averaged."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from stages.io import InputPath, OutputPath, PipelineError, check, require_dir
-from stages.model_files import Weights, list_checkpoints, read_checkpoint, write_model
+from stages.model_files import Weights, current_dir, list_checkpoints, read_checkpoint, write_model
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,16 @@ def average_state_dicts(states: list[Weights], names: list[str]) -> Weights:
 
 
 def run(params: AverageParams, *, checkpoint_dir: InputPath, out_path: OutputPath) -> dict[str, float]:
-    checkpoint_dir = require_dir(checkpoint_dir, "checkpoint (train stage output)")
+    checkpoint_dir = current_dir(require_dir(checkpoint_dir, "checkpoint (train stage output)"))
     found = list_checkpoints(checkpoint_dir)
     if not found:
         raise PipelineError(f"{checkpoint_dir}: no complete checkpoint to average (snapshots, written on a clock "
                             f"for crash safety, are never averaged)")
     chosen = found[-params.last :]
+    print(f"average: the last {len(chosen)} of {len(found)} checkpoints in {checkpoint_dir}, steps "
+          f"{', '.join(str(step) for step, _ in chosen)}", flush=True)
     loaded = [read_checkpoint(path) for _, path in chosen]
     averaged = average_state_dicts([c.parts["model"] for c in loaded], [str(p) for _, p in chosen])
     write_model(out_path, averaged, replace(loaded[-1].meta, steps=tuple(c.step for c in loaded)))
+    print(f"average: wrote {out_path}", flush=True)
     return {"averaged": len(chosen), "first_step": chosen[0][0], "last_step": chosen[-1][0]}

@@ -9,6 +9,11 @@
 - A model (`.safetensors`, written by the average stage) holds weights and metadata only: what
   decoding and export read. Either kind of file can be read as a model.
 
+Checkpoints live in a folder per training setup (`<checkpoint dir>/<setup>/`, the setup named by a
+hash of what a run may not change: model, training parameters, vocabulary, data), so a changed
+parameter starts a run of its own beside the others, and going back finds its run where it was;
+`<checkpoint dir>/current.json` names the setup last trained, the one the average stage reads.
+
 Both carry a `ModelMeta`, so a file alone rebuilds its Transformer. Loading runs no pickled code
 (torch's weights-only unpickler; safetensors), and every write is atomic: a checkpoint is complete
 once it has its final name, so the list of checkpoints is the list of files named as one.
@@ -16,6 +21,7 @@ once it has its final name, so the list of checkpoints is the list of files name
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -26,7 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from stages.io import PipelineError, atomic_write
+from stages.io import PipelineError, atomic_write, read_json, write_json
 from transformer.config import TransformerConfig
 
 CHECKPOINT_FORMAT = "transformer-pipeline/checkpoint/2"
@@ -65,6 +71,29 @@ class Checkpoint:
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
+
+CURRENT = "current.json"
+
+
+def setup_dir(root: str | Path, setup: dict[str, Any]) -> Path:
+    """The folder of a training setup's checkpoints, named by a hash of `setup`."""
+    key = hashlib.md5(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(root) / key
+
+
+def make_current(root: str | Path, folder: Path, setup: dict[str, Any]) -> None:
+    """Record `folder` as the setup being trained, and what that setup is (its setup.json)."""
+    write_json(folder / "setup.json", setup)
+    write_json(Path(root) / CURRENT, {"setup": folder.name})
+
+
+def current_dir(root: str | Path) -> Path:
+    """The checkpoint folder of the setup the train stage trained last."""
+    path = Path(root) / CURRENT
+    if not path.is_file():
+        raise PipelineError(f"{path}: not found: no training run has started in {root} (has the train stage run?)")
+    return Path(root) / read_json(path)["setup"]
+
 
 def checkpoint_path(directory: str | Path, step: int, snapshot: bool = False) -> Path:
     return Path(directory) / f"{'snapshot' if snapshot else 'checkpoint'}-{step:08d}.pt"

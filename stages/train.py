@@ -29,8 +29,8 @@ from stages.batching import collate, token_batches
 from stages.devices import default_device, mixed_precision, peak_flops
 from stages.encode import ParallelIds
 from stages.io import InputPath, OutputPath, PipelineError, Stopped, check, require_dir
-from stages.model_files import Checkpoint, ModelMeta, checkpoint_path, list_checkpoints, prune_checkpoints, \
-    read_checkpoint, remove_unfinished, write_checkpoint
+from stages.model_files import Checkpoint, ModelMeta, checkpoint_path, list_checkpoints, make_current, \
+    prune_checkpoints, read_checkpoint, remove_unfinished, setup_dir, write_checkpoint
 from stages.train_inputs import StepInputs, StepStream, training_sampler, within_positions
 from stages.train_metrics import MetricsWindow, Progress, progress_line, summary, write_curves
 from stages.train_state import CheckpointSchedule, RngStates, Stateful, StopRequest, UnwrappedModel, differences
@@ -123,6 +123,12 @@ class Trainer:
             "data": _digest(*sorted(Path(encoded_dir).glob("train.*.npy"))),
             "world_size": world,
         }
+
+    @property
+    def setup(self) -> dict[str, Any]:
+        """What names this run's checkpoint folder: the fingerprint but the number of processes, a
+        change of which is refused on resumption rather than started afresh."""
+        return {k: v for k, v in self.fingerprint.items() if k != "world_size"}
 
     @property
     def parts(self) -> dict[str, Stateful]:
@@ -241,8 +247,8 @@ class Trainer:
         if checkpoint.fingerprint != self.fingerprint:
             changed = differences(checkpoint.fingerprint, self.fingerprint)
             raise PipelineError(
-                f"{checkpoint_dir} holds a different training run ({', '.join(changed)} changed), so it cannot be "
-                f"resumed; move or delete that directory to start afresh")
+                f"{checkpoint_dir} holds a run of this setup with {', '.join(changed)} changed, which cannot be "
+                f"resumed so; move or delete that directory to start afresh")
         if checkpoint.parts.keys() != self.parts.keys():
             raise PipelineError(f"{path}: holds the parts {sorted(checkpoint.parts)}, "
                                 f"this run has {sorted(self.parts)}")
@@ -260,16 +266,19 @@ class Damaged(Exception):
 def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: InputPath, vocab_dir: InputPath,
         checkpoint_dir: OutputPath, plots_dir: OutputPath, log: MetricsLogger | None = None,
         accelerator: Accelerator | None = None) -> dict[str, float]:
-    """Train to `params.max_steps`, resuming from the newest checkpoint in `checkpoint_dir` if any.
-    Writes checkpoints there and the loss curves <plots_dir>/train.csv and valid.csv."""
+    """Train to `params.max_steps`, in this setup's folder of `checkpoint_dir` (resuming from its newest
+    checkpoint, if any). Writes checkpoints there and the loss curves <plots_dir>/train.csv and valid.csv."""
     encoded_dir = require_dir(encoded_dir, "encoded data (encode stage output)")
-    checkpoint_dir = Path(checkpoint_dir)
     acc = accelerator or Accelerator(cpu=default_device().type == "cpu",
                                      mixed_precision=mixed_precision(params.precision))
     trainer = Trainer(model_config, params, encoded_dir=encoded_dir, vocab_dir=Path(vocab_dir), accelerator=acc)
-    if acc.is_main_process and checkpoint_dir.is_dir():
+    # this setup's folder: a run of another setup keeps its own, and going back to it goes on there
+    checkpoint_dir = setup_dir(checkpoint_dir, trainer.setup)
+    if acc.is_main_process:
+        make_current(checkpoint_dir.parent, checkpoint_dir, trainer.setup)
         for stale in remove_unfinished(checkpoint_dir):
             acc.print(f"removed {stale}, left by a save that was cut short")
+    acc.print(f"checkpoints of this setup: {checkpoint_dir}")
     acc.wait_for_everyone()
     trainer.resume(checkpoint_dir)
     log = log if (log is not None and acc.is_main_process) else (lambda metrics, step: None)
