@@ -197,7 +197,7 @@ def curve(sizes: Sizes, work: Path, precision: str) -> dict[str, Any]:
     out = train.run(model_config(name), params, encoded_dir=work / "encoded", vocab_dir=work / "vocab",
                     checkpoint_dir=work / f"checkpoints-{precision}", plots_dir=work / f"plots-{precision}")
     history = read_checkpoint(list_checkpoints(work / f"checkpoints-{precision}")[-1][1]).parts["progress"]["history"]
-    return {"precision": precision, "model": name, "tgt_tokens_per_sec": out["tgt_tokens_per_sec"],
+    return {"precision": precision, "model": name, "tgt_tokens_per_sec": out["mean_tgt_tokens_per_sec"],
             "steps": [r["step"] for r in history], "loss": [r["loss"] for r in history]}
 
 

@@ -66,9 +66,12 @@ def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, de
     if truncated:
         print(f"warning: {truncated} input lines were longer than the model's {limit} positions and were "
               f"cut to that many tokens before translating", file=sys.stderr)
-    out: list[str] = [""] * len(lines)
+    out: list[str] = [""] * len(lines)  # an empty line translates to an empty line, without a search
     bar = tqdm(total=len(lines), desc=desc, unit=" sentences", mininterval=2, file=sys.stderr)
-    for indices in length_batches([len(ids) for ids in encoded], params.batch_tokens):
+    bar.update(sum(not ids for ids in encoded))
+    todo = [i for i, ids in enumerate(encoded) if ids]
+    for batch_of_todo in length_batches([len(encoded[i]) for i in todo], params.batch_tokens):
+        indices = [todo[j] for j in batch_of_todo]
         batch = [encoded[i] + [vocab.EOS_ID] for i in indices]
         src = pad(batch).to(device)
         max_lengths = torch.tensor([min(len(ids) - 1 + params.max_length_extra, limit) for ids in batch],

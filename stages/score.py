@@ -71,6 +71,8 @@ def run(params: ScoreParams, *, hyp_dir: InputPath, ref_dir: InputPath) -> dict[
     results = {}
     for split in SPLITS:
         hyp_path, ref_path = split_path(hyp_dir, split, tgt_lang), split_path(ref_dir, split, tgt_lang)
-        results[split] = score(params, list(read_lines(hyp_path)), list(read_lines(ref_path)),
-                               hyp_name=str(hyp_path), ref_name=str(ref_path), lang=tgt_lang)
+        results[split] = r = score(params, list(read_lines(hyp_path)), list(read_lines(ref_path)),
+                                   hyp_name=str(hyp_path), ref_name=str(ref_path), lang=tgt_lang)
+        print(f"score: {split}: sacreBLEU {r['bleu']:.2f}, the paper's tokenised BLEU {r['bleu_tok']:.2f}, "
+              f"chrF {r['chrf']:.2f}  ({r['bleu_signature']})", flush=True)
     return results

@@ -109,13 +109,15 @@ def summary(progress: Progress, parameters: int, num_processes: int, peak: float
     def mean(key: str) -> float:
         return float(np.mean([r[key] for r in progress.history if key in r] or [float("nan")]))
 
+    # means are named apart from the curves they summarise, so that a run's curve of tokens/s does not
+    # end in a point of its mean
     out = {"steps": progress.step, "parameters": parameters,
            "loss": final.get("loss", float("nan")), "nll": final.get("nll", float("nan")),
-           "tgt_tokens_per_sec": mean("tgt_tokens_per_sec"), "tflops": mean("tflops"),
+           "mean_tgt_tokens_per_sec": mean("tgt_tokens_per_sec"), "mean_tflops": mean("tflops"),
            "train_flops": progress.total_flops, "train_hours": progress.total_seconds / 3600,
            "accelerator_hours": progress.total_seconds / 3600 * num_processes, **valid}
     if peak:
-        out["mfu"] = mean("mfu")
+        out["mean_mfu"] = mean("mfu")
     return out
 
 

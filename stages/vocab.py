@@ -44,6 +44,8 @@ def run(params: VocabParams, *, clean_dir: InputPath, out_dir: OutputPath) -> di
         raise PipelineError(f"vocab: the training text in {clean_dir} is empty; nothing to learn a vocabulary from")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"vocab: learning a {params.vocab_size}-piece {params.model_type} vocabulary from "
+          f"{' and '.join(str(p) for p in inputs)} (sentencepiece, {os.cpu_count() or 1} threads)", flush=True)
     spm.set_random_generator_seed(params.seed)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         try:
@@ -67,7 +69,9 @@ def run(params: VocabParams, *, clean_dir: InputPath, out_dir: OutputPath) -> di
             raise
         for name in (MODEL_FILE, "spm.vocab"):
             os.replace(Path(tmp) / name, out_dir / name)
-    return {"vocab_size": spm.SentencePieceProcessor(model_file=str(out_dir / MODEL_FILE)).get_piece_size()}
+    size = spm.SentencePieceProcessor(model_file=str(out_dir / MODEL_FILE)).get_piece_size()
+    print(f"vocab: wrote {out_dir / MODEL_FILE}, {size} pieces", flush=True)
+    return {"vocab_size": size}
 
 
 def load(vocab_dir: str | Path) -> spm.SentencePieceProcessor:
