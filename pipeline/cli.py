@@ -9,6 +9,7 @@ Prefect flow, presets, and translating with a trained model.
 from __future__ import annotations
 
 import argparse
+import atexit
 import shlex
 import sys
 from pathlib import Path
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="markdown and plots comparing the tracked runs with the paper")
     report.add_argument("--out", type=Path, default=Path("reports"))
     sub.add_parser("serve", help="serve the flow as a Prefect deployment (start runs from the Prefect UI)")
+    compare = sub.add_parser("compare", help="the experiments side by side: what each changed, its scores, its cost")
+    compare.add_argument("--width", type=int, default=120, help="columns (default 120)")
+    sub.add_parser("offline-plots", help="fetch vega once, so that `dvc plots show` works offline (make setup runs it)")
     preset = sub.add_parser("preset", help="apply presets and overrides to params.yaml without running")
     preset.add_argument("names", nargs="*")
     preset.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -107,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in dag.stage_descriptions():
         return stage.main(argv, prog="python -m pipeline")
     args = build_parser().parse_args(argv)
+    last_words = sys.stderr.write
+    if args.command in ("run", "quickstart"):  # the flow's temporary Prefect server says it stopped at exit:
+        last = []  # say the outcome after it (exit handlers run last-registered first; it registers later)
+        atexit.register(lambda: sys.stderr.write("".join(last)))
+        last_words = last.append
     try:
         if args.command == "preset":
             overrides = presets.collect_overrides(args.names, args.overrides)
@@ -124,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {report.write_report(args.out)}")
         elif args.command == "table3":
             table3_command(args.rows, args.queue)
+        elif args.command == "compare":
+            from pipeline import compare
+
+            print(compare.table(compare.experiments(), args.width))
+        elif args.command == "offline-plots":
+            from pipeline import offline_plots
+
+            print(f"wrote {offline_plots.install()}: `dvc plots show` needs no network")
         elif args.command == "serve":
             from pipeline import flow
 
@@ -132,10 +149,17 @@ def main(argv: list[str] | None = None) -> int:
             from pipeline import flow
 
             names = ["quickstart", *args.preset] if args.command == "quickstart" else args.preset
-            flow.pipeline(presets=names, overrides=presets.collect_overrides([], args.overrides))
+            state = flow.pipeline(presets=names, overrides=presets.collect_overrides([], args.overrides),
+                                  return_state=True)
+            if not state.is_completed():
+                raise PipelineError(state.message)
     except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
+        last_words(f"error: {e}\n")
         return 1
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM as the tracking turns it: one line, not a traceback
+        last_words("stopped: the run was interrupted; a stage stopped in its work saved what it had done, and "
+                   "the next run goes on from there\n")
+        return 130
     return 0
 
 

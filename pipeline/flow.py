@@ -33,10 +33,11 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
     update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
+from prefect.states import Failed, State
 
 from pipeline import config, dag, registry, tracking
 from pipeline import presets as presets_module  # the flow's parameter is named presets
-from stages.io import PipelineError, read_json
+from stages.io import read_json
 from stages.train_metrics import parse_progress
 
 METRICS_DIR = config.ROOT / dag.paths()["metrics"]
@@ -93,8 +94,9 @@ class StageOutput:
 
 
 @task(cache_policy=NO_CACHE, task_run_name="{stage}")
-def run_stage(stage: str) -> str:
-    """`dvc repro` one stage; returns 'ran' or 'skipped' (DVC found it unchanged)."""
+def run_stage(stage: str) -> str | State:
+    """`dvc repro` one stage; returns 'ran' or 'skipped' (DVC found it unchanged), or a Failed state
+    whose message is the stage's own last word (no traceback: the stage's error says what is wrong)."""
     logger = get_run_logger()
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the stages' python
@@ -111,9 +113,17 @@ def run_stage(stage: str) -> str:
         raise
     lines = output.lines
     if proc.wait() != 0:
-        reason = next((line for line in reversed(lines) if line.startswith(("error:", "ERROR:"))), "see its log")
-        raise PipelineError(f"stage '{stage}' failed ({reason}); the stages before it keep their outputs")
+        return Failed(message=failure(stage, lines))
     return "skipped" if any("didn't change, skipping" in line for line in lines) else "ran"
+
+
+def failure(stage: str, lines: list[str]) -> str:
+    """Why a stage failed, in its own words (its last `error:`, `stopped:` or `interrupted:` line)
+    rather than DVC's wrapper around them."""
+    own = next((line for line in reversed(lines) if line.startswith(("error:", "stopped:", "interrupted:"))), None)
+    said = own.removeprefix("error: ") if own else next(
+        (line for line in reversed(lines) if line.startswith("ERROR:")), "see its log")
+    return f"stage '{stage}' failed: {said} (the stages before it keep their outputs)"
 
 
 def _stop(proc: subprocess.Popen, on_line: Callable[[str], None], grace: float = 600) -> None:
@@ -136,17 +146,22 @@ def _stop(proc: subprocess.Popen, on_line: Callable[[str], None], grace: float =
 
 
 @flow(name="transformer-pipeline", log_prints=True)
-def pipeline(presets: list[str] | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def pipeline(presets: list[str] | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any] | State:
     """Apply presets and overrides to params.yaml, then run every stage of dvc.yaml in order."""
     merged = {**presets_module.collect_overrides(presets or [], []), **(overrides or {})}
     params = presets_module.apply_overrides(merged) if merged else config.load_params()
     experiment = tracking.experiment_name(params.download.src_lang, params.download.tgt_lang)
     tags = {"presets": ",".join(presets or []) or "none", "prefect_flow_run_id": str(flow_run.get_id())}
-    with tracking.pipeline_run(experiment, config.as_flat_dict(params), tags) as parent:
+    with tracking.pipeline_run(experiment, run_name(presets or [], overrides or {}), config.as_flat_dict(params),
+                               tags) as parent:
         states = {}
         for stage in dag.stage_order():
             retries = RETRIES.get(stage, 0)
-            states[stage] = run_stage.with_options(retries=retries, retry_delay_seconds=30)(stage)
+            state = run_stage.with_options(retries=retries, retry_delay_seconds=30)(stage, return_state=True)
+            if not state.is_completed():
+                parent.outcome = "FAILED"
+                return Failed(message=state.message)
+            states[stage] = state.result()
             parent.set_tags({f"stage.{stage}": states[stage]})
         scores = read_json(METRICS_DIR / "score.json")
         parent.log_metrics(scores)
@@ -156,6 +171,12 @@ def pipeline(presets: list[str] | None = None, overrides: dict[str, Any] | None 
                                  description="BLEU of this pipeline run")
     print(f"test BLEU {scores['test']['bleu']:.2f} ({scores['test']['bleu_signature']})")
     return {"stages": states, "scores": scores}
+
+
+def run_name(presets: list[str], overrides: dict[str, Any]) -> str:
+    """'quickstart warmup_steps=150': the presets, then each override by its last key."""
+    changes = [f"{key.rsplit('.', 1)[-1]}={value}" for key, value in overrides.items()]
+    return " ".join([*presets, *changes]) or "params.yaml"
 
 
 def report_markdown(scores: dict[str, Any], parent: tracking.Tracker, version: str | None, presets: list[str]) -> str:

@@ -91,7 +91,9 @@ def run_stage(name: str, paths: dict[str, Path], metrics_path: Path | None,
     experiment = tracking.experiment_name(params.download.src_lang, params.download.tgt_lang)
     with tracking.stage_run(name, experiment, flat, hashed, name in SYSTEM_METRICS) as tracker:
         metrics = c.run(*sections, **paths, **({"log": tracker.log_metrics} if c.takes_log else {}))
-        tracker.log_metrics(metrics)
+        # the summary, but what the stage already logged as a curve (whose last point it would repeat)
+        summary = {k: v for k, v in tracking.flatten(metrics).items() if k not in tracker.logged}
+        tracker.log_metrics(summary, step=int(metrics.get("steps", 0)))
         if metrics_path is not None and tracking.is_main_process():
             write_json(metrics_path, metrics)
             tracker.log_artifact(metrics_path)

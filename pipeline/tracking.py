@@ -16,7 +16,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,10 @@ from pipeline.config import ROOT
 from stages.io import Stopped
 
 PARENT_ENV = "PIPELINE_MLFLOW_PARENT_RUN_ID"
+# MLflow 3 opens an experiment of this kind in its model-training view (runs, metrics, charts), not
+# the GenAI view of traces and evaluations.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+PIPELINE_TAG = ("run_kind", "pipeline")  # the parent run of a whole pipeline execution
 DEFAULT_DB = ROOT / "mlflow.db"
 ARTIFACTS = ROOT / "mlartifacts"
 
@@ -71,6 +75,8 @@ class Tracker:
 
     def __init__(self, client: Any, run_id: str | None, experiment_id: str | None = None) -> None:
         self.client, self.run_id, self.experiment_id = client, run_id, experiment_id
+        self.outcome = "FINISHED"  # the status the run ends with when nothing is raised
+        self.logged: set[str] = set()  # metric names logged so far
 
     def log_metrics(self, metrics: dict[str, Any], step: int = 0) -> None:
         if self.run_id is None:
@@ -82,6 +88,7 @@ class Tracker:
                  if isinstance(v, int | float) and not isinstance(v, bool)]
         if batch:
             self.client.log_batch(self.run_id, metrics=batch)
+            self.logged.update(m.key for m in batch)
 
     def log_params(self, params: dict[str, Any]) -> None:
         if self.run_id is None:
@@ -131,11 +138,14 @@ def _client_and_experiment(experiment: str) -> tuple[Any, str] | None:
         found = client.get_experiment_by_name(experiment)
         if found is None:
             try:
-                return client, client.create_experiment(experiment, artifact_location=artifact_location(uri))
+                return client, client.create_experiment(experiment, artifact_location=artifact_location(uri),
+                                                        tags=dict([EXPERIMENT_KIND]))
             except MlflowException:  # created meanwhile by a process on another machine (a shared server)
                 found = client.get_experiment_by_name(experiment)
                 if found is None:
                     raise
+        if found.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:  # made by an earlier version
+            client.set_experiment_tag(found.experiment_id, *EXPERIMENT_KIND)
     return client, found.experiment_id
 
 
@@ -149,7 +159,7 @@ def _lock_file(uri: str) -> Path:
 
 
 @contextlib.contextmanager
-def _terminated_on_exit(client: Any, run_id: str) -> Iterator[None]:
+def _terminated_on_exit(client: Any, run_id: str, outcome: Callable[[], str] = lambda: "FINISHED") -> Iterator[None]:
     """FINISHED on success, KILLED on Ctrl-C or SIGTERM (or a stage that stopped on one, its work
     saved), FAILED on any other error."""
     previous = signal.getsignal(signal.SIGTERM)
@@ -167,7 +177,7 @@ def _terminated_on_exit(client: Any, run_id: str) -> Iterator[None]:
         client.set_terminated(run_id, "FAILED")
         raise
     else:
-        client.set_terminated(run_id, "FINISHED")
+        client.set_terminated(run_id, outcome())
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -203,6 +213,8 @@ def stage_run(stage: str, experiment: str, params: dict[str, Any], tags: dict[st
     all_tags = {"stage": stage, "git_commit": git_commit(), **tags}
     if parent := os.environ.get(PARENT_ENV):
         all_tags["mlflow.parentRunId"] = parent
+    if experiment_run := os.environ.get("DVC_EXP_NAME"):  # run as a DVC experiment (dvc exp run, the queue)
+        all_tags["dvc_experiment"] = experiment_run
     run = client.create_run(experiment_id, run_name=stage, tags=all_tags)
     tracker = Tracker(client, run.info.run_id, experiment_id)
     print(f"{RUN_LINE}{run_url(tracker)}", flush=True)
@@ -213,19 +225,21 @@ def stage_run(stage: str, experiment: str, params: dict[str, Any], tags: dict[st
 
 
 @contextlib.contextmanager
-def pipeline_run(experiment: str, params: dict[str, Any], tags: dict[str, str]) -> Iterator[Tracker]:
-    """The parent run of one pipeline execution; stage processes started inside nest under it."""
+def pipeline_run(experiment: str, name: str, params: dict[str, Any], tags: dict[str, str]) -> Iterator[Tracker]:
+    """The parent run of one pipeline execution, named e.g. 'quickstart warmup_steps=150'; stage
+    processes started inside nest under it."""
     found = _client_and_experiment(experiment)
     if found is None:
         yield Tracker(None, None)
         return
     client, experiment_id = found
-    run = client.create_run(experiment_id, run_name="pipeline", tags={"git_commit": git_commit(), **tags})
+    run = client.create_run(experiment_id, run_name=name,
+                            tags={"git_commit": git_commit(), PIPELINE_TAG[0]: PIPELINE_TAG[1], **tags})
     run_id = run.info.run_id
     tracker = Tracker(client, run_id, experiment_id)
     os.environ[PARENT_ENV] = run_id
     try:
-        with _terminated_on_exit(client, run_id):
+        with _terminated_on_exit(client, run_id, lambda: tracker.outcome):
             tracker.log_params(params)
             yield tracker
     finally:
