@@ -10,6 +10,7 @@ setup:  ## a virtual environment with everything installed (torch first: CPU bui
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pipeline offline-plots
 
 quickstart:  ## the whole pipeline on the bundled corpus, as a Prefect flow over dvc.yaml, in minutes on a CPU
 	$(PY) -m pipeline quickstart
