@@ -2,6 +2,9 @@
 stages chained as the DAG chains them (download -> clean -> vocab -> encode -> train -> average) on
 real text, each run once per session in a temporary directory."""
 import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -10,6 +13,7 @@ import pytest
 from bench import SHARED
 from stages import average, clean, download, encode, train, vocab
 from stages.io import ParallelFiles
+from stages.model_files import current_dir
 from transformer import TransformerConfig
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -113,10 +117,57 @@ def encoded(cleaned, vocab_dir, work):
 def trained(encoded, vocab_dir, work):
     metrics = train.run(TINY, train_params(), encoded_dir=encoded[0], vocab_dir=vocab_dir,
                         checkpoint_dir=work / "checkpoints", plots_dir=work / "plots")
-    return work / "checkpoints", metrics
+    return current_dir(work / "checkpoints"), metrics  # the run's own folder
 
 
 @pytest.fixture(scope="session")
 def averaged(trained, work):
-    metrics = average.run(average.AverageParams(last=2), checkpoint_dir=trained[0], out_path=work / "model.st")
+    metrics = average.run(average.AverageParams(last=2), checkpoint_dir=trained[0].parent, out_path=work / "model.st")
     return work / "model.st", metrics
+
+
+# -- the whole pipeline in a copy of the repository, shared by the slow tier's modules -----------------
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["-S", "train.max_steps=30", "-S", "train.checkpoint_every_steps=10", "-S", "train.log_every=10",
+         "-S", "train.validate_every=10", "-S", "decode.max_length_extra=5", "-S", "average.last=2"]
+
+
+def copy_project(tmp_path_factory) -> Path:
+    """A fresh copy of the project's files (as a clone would have them) in a git repository of its own."""
+    root = tmp_path_factory.mktemp("clone") / "project"
+    files = subprocess.run(["git", "ls-files", "--cached"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for name in files + [".dvc/offline-plots.html"]:  # and the page template set-up writes
+        if (ROOT / name).is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, root / name)
+    for args in (["init", "-q"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+        subprocess.run(["git", *args], cwd=root, check=True)
+    return root
+
+
+def env_of(repo: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the default: inside the tree
+    env.update(PREFECT_HOME=str(repo.parent / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", PYTHONPATH=str(repo))
+    return env
+
+
+def run_in(repo: Path, *args: str) -> str:
+    proc = subprocess.run(args, cwd=repo, env=env_of(repo), capture_output=True, text=True, timeout=900)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.fixture(scope="session")
+def repo(tmp_path_factory) -> Path:
+    """One copy for the slow modules, which run in name order: test_pipeline (a first quickstart and
+    what it leaves), test_pipeline_experiments, test_pipeline_stops."""
+    return copy_project(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def flow_output(repo) -> str:
+    return run_in(repo, sys.executable, "-m", "pipeline", "quickstart", *SMALL)

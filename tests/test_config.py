@@ -172,7 +172,8 @@ def test_local_training_files_are_needed_only_when_the_source_is_local():
     text = _broken("    train: [{src: train.en, tgt: train.de}]", "    train: []")
     assert parse_params(text, "params.yaml").download.local.train == ()
     local = text.replace("  source: wmt14", "  source: local", 1)
-    with pytest.raises(ConfigError, match=rf"params.yaml:{_line_of(local, 'train: []')}: download.local.train: names no"):
+    line = _line_of(local, "train: []")
+    with pytest.raises(ConfigError, match=rf"params.yaml:{line}: download.local.train: names no"):
         parse_params(local, "params.yaml")
 
 

@@ -111,3 +111,16 @@ def test_translate_command_reads_a_file_or_stdin_and_warns_of_cut_lines(averaged
     assert cli.main([*args, "-S", "train.max_steps=3"]) == 1
     assert "decode.* parameters only" in capsys.readouterr().err
 
+
+
+def test_an_empty_line_translates_to_an_empty_line(averaged, vocab_dir, tmp_path, capsys, monkeypatch):
+    searched = []
+    search = decode.beam_search
+    monkeypatch.setattr(decode, "beam_search", lambda d, n, *a, **k: (searched.append(n), search(d, n, *a, **k))[1])
+    (tmp_path / "in.en").write_text("\nThe European Parliament.\n   \n\n", encoding="utf-8")
+    args = ["translate", str(tmp_path / "in.en"), "--model", str(averaged[0]), "--vocab-dir", str(vocab_dir),
+            "-S", "decode.max_length_extra=3"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out.split("\n")
+    assert len(out) == 5 and out[0] == out[2] == out[3] == "" and out[4] == ""  # four lines, then the end
+    assert searched == [1]  # only the sentence was searched; a model asked for an empty line says something

@@ -18,7 +18,7 @@ import torch
 from conftest import CLEAN, TINY, train_params, wait_for
 from stages import average, clean, decode, train, vocab
 from stages.io import EXIT_STOPPED, PipelineError, read_lines, write_manifest
-from stages.model_files import list_checkpoints, read_checkpoint, write_checkpoint
+from stages.model_files import current_dir, list_checkpoints, read_checkpoint, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,8 +40,13 @@ def _train_command(params: Path, encoded: Path, vocab_dir: Path, out: Path) -> l
             "--metrics", str(out / "train.json")]
 
 
-def _saved_step(ckpt: Path) -> int:
-    return list_checkpoints(ckpt, snapshots=True)[-1][0]
+def _saved(ckpt: Path) -> Path:
+    """The newest file of the run's setup folder under `ckpt`."""
+    return list_checkpoints(current_dir(ckpt), snapshots=True)[-1][1]
+
+
+def _first_checkpoint(ckpt: Path) -> bool:
+    return (ckpt / "current.json").exists() and (current_dir(ckpt) / "checkpoint-00000005.pt").exists()
 
 
 @pytest.mark.slow
@@ -51,16 +56,15 @@ def test_a_stop_signal_finishes_the_step_saves_it_and_exits_75(signum, encoded, 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, *_train_command(params, encoded[0], vocab_dir, tmp_path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: (tmp_path / "ckpt/checkpoint-00000005.pt").exists(), 180, "the first checkpoint")
+    wait_for(lambda: _first_checkpoint(tmp_path / "ckpt"), 180, "the first checkpoint")
     proc.send_signal(signum)
     sent = time.monotonic()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED, err[-2000:]
     assert time.monotonic() - sent < 30
-    step = _saved_step(tmp_path / "ckpt")
+    step = read_checkpoint(_saved(tmp_path / "ckpt")).parts["progress"]["step"]
     assert step >= 5 and err.strip().splitlines()[-1].startswith(
-        f"stopped: stopped by {signal.Signals(signum).name} after step {step}, saved in ")
-    assert read_checkpoint(list_checkpoints(tmp_path / "ckpt", snapshots=True)[-1][1]).parts["progress"]["step"] == step
+        f"stopped: stopped by {signal.Signals(signum).name} after step {step}, saved in {_saved(tmp_path / 'ckpt')}")
 
     from mlflow.tracking import MlflowClient
 
@@ -84,7 +88,7 @@ def test_processes_agree_on_the_step_at_which_they_stop(encoded, vocab_dir, tmp_
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                              *_train_command(params, encoded[0], vocab_dir, tmp_path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: (tmp_path / "ckpt/checkpoint-00000005.pt").exists(), 240, "the first checkpoint")
+    wait_for(lambda: _first_checkpoint(tmp_path / "ckpt"), 240, "the first checkpoint")
     import psutil
 
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
@@ -92,10 +96,11 @@ def test_processes_agree_on_the_step_at_which_they_stop(encoded, vocab_dir, tmp_
     assert len(workers) == 2
     os.kill(max(w.pid for w in workers), signal.SIGTERM)  # the second worker only
     _, err = proc.communicate(timeout=180)
-    step = _saved_step(tmp_path / "ckpt")
+    saved = read_checkpoint(_saved(tmp_path / "ckpt"))
+    step = saved.parts["progress"]["step"]
     stops = [line for line in err.splitlines() if "stopped by SIGTERM after step" in line]
     assert len(stops) == 2 and all(f"after step {step}," in line for line in stops)  # both, at the saved step
-    assert len(read_checkpoint(list_checkpoints(tmp_path / "ckpt", snapshots=True)[-1][1]).parts["rng"]) == 2
+    assert len(saved.parts["rng"]) == 2
 
 
 def test_pairs_longer_than_the_models_positions_are_dropped_and_counted(encoded, vocab_dir, tmp_path):
@@ -140,7 +145,8 @@ def test_clean_checks_every_split_before_writing_anything(tmp_path):
     (out / "train.en").write_text("the previous run's\n")
     with pytest.raises(PipelineError, match=r"test.en has 1 lines, .*test.de has 2"):
         clean.run(CLEAN, raw_dir=raw, out_dir=out)
-    assert sorted(p.name for p in out.iterdir()) == ["train.en"] and (out / "train.en").read_text() == "the previous run's\n"
+    assert sorted(p.name for p in out.iterdir()) == ["train.en"]
+    assert (out / "train.en").read_text() == "the previous run's\n"
     assert not list(tmp_path.glob(".out-*"))  # no staging left behind
 
 
@@ -188,10 +194,11 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_stale_temporary_files_remove
     run = lambda steps: train.run(TINY, train_params(max_steps=steps), encoded_dir=encoded[0],  # noqa: E731
                                   vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p")
     run(4)
-    newest = read_checkpoint(tmp_path / "c/checkpoint-00000004.pt")
+    folder = current_dir(tmp_path / "c")
+    newest = read_checkpoint(folder / "checkpoint-00000004.pt")
     newest.parts["rng"][0]["cpu"] = torch.zeros(7, dtype=torch.uint8)  # not a generator's state
-    write_checkpoint(tmp_path / "c", newest)
-    stale = tmp_path / "c/.checkpoint-00000006.pt.k3j2_x.tmp"  # a save a kill cut short
+    write_checkpoint(folder, newest)
+    stale = folder / ".checkpoint-00000006.pt.k3j2_x.tmp"  # a save a kill cut short
     stale.write_bytes(b"half a checkpoint")
     capsys.readouterr()
     assert run(6)["steps"] == 6

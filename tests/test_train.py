@@ -17,7 +17,7 @@ from conftest import TINY, train_params
 from stages import train
 from stages.batching import BatchSampler
 from stages.io import PipelineError
-from stages.model_files import list_checkpoints, read_checkpoint, write_checkpoint
+from stages.model_files import current_dir, list_checkpoints, read_checkpoint, setup_dir, write_checkpoint
 from stages.train_metrics import MetricsWindow, Progress, summary, write_curves
 from stages.train_state import CheckpointSchedule
 from transformer import TransformerConfig
@@ -27,7 +27,7 @@ def test_train_writes_checkpoints_curves_and_finite_metrics(trained, work):
     checkpoint_dir, m = trained
     assert [step for step, _ in list_checkpoints(checkpoint_dir)] == [2, 4, 6]
     assert m["steps"] == 6 and math.isfinite(m["loss"]) and math.isfinite(m["valid_loss"])
-    assert m["train_flops"] > 0 and m["tflops"] > 0 and "mfu" not in m  # utilisation only where a peak is known
+    assert m["train_flops"] > 0 and m["mean_tflops"] > 0 and "mean_mfu" not in m  # utilisation where a peak is known
     rows = (work / "plots/train.csv").read_text().splitlines()
     assert rows[0].startswith("step,loss,nll") and len(rows) == 4  # header + steps 2, 4, 6
     header = rows[0].split(",")
@@ -46,10 +46,10 @@ def test_resume_equals_uninterrupted(encoded, vocab_dir, tmp_path):
 
     run(6, tmp_path / "straight")
     run(4, tmp_path / "stopped")  # a run stopped after step 4 ...
-    (tmp_path / "stopped/checkpoint-00000005.pt").write_bytes(b"cut short by a full disk")
+    (current_dir(tmp_path / "stopped") / "checkpoint-00000005.pt").write_bytes(b"cut short by a full disk")
     run(6, tmp_path / "stopped")  # ... and resumed to step 6, from the newest checkpoint that loads
-    a = read_checkpoint(tmp_path / "straight/checkpoint-00000006.pt").parts
-    b = read_checkpoint(tmp_path / "stopped/checkpoint-00000006.pt").parts
+    a = read_checkpoint(current_dir(tmp_path / "straight") / "checkpoint-00000006.pt").parts
+    b = read_checkpoint(current_dir(tmp_path / "stopped") / "checkpoint-00000006.pt").parts
     same = lambda rows: [(r["step"], r["loss"], r["nll"], r["lr"], r["grad_norm"]) for r in rows]  # noqa: E731
     assert same(a["progress"]["history"]) == same(b["progress"]["history"])
     valid_b = {r["step"]: r for r in b["progress"]["valid_history"]}  # the stopped run also validated at step 4
@@ -59,11 +59,23 @@ def test_resume_equals_uninterrupted(encoded, vocab_dir, tmp_path):
     assert a["sampler"] == b["sampler"] and torch.equal(a["rng"][0]["cpu"], b["rng"][0]["cpu"])
 
 
-def test_resume_with_a_different_model_is_refused(encoded, vocab_dir, trained, tmp_path):
-    other = TransformerConfig(**{**TINY.__dict__, "d_ff": 128})
-    with pytest.raises(PipelineError, match=r"different training run \(model.d_ff changed\)"):
-        train.run(other, train_params(), encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=trained[0],
-                  plots_dir=tmp_path)
+def test_a_changed_setup_trains_beside_the_other_and_going_back_retrains_nothing(encoded, vocab_dir, tmp_path,
+                                                                                 capsys):
+    def run(config, **changes):
+        return train.run(config, train_params(**changes), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+                         checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p")
+
+    first = run(TINY)
+    first_dir = current_dir(tmp_path / "c")
+    files = {p.name: p.stat().st_mtime_ns for p in first_dir.glob("*.pt")}
+    other = run(dataclasses.replace(TINY, d_ff=128), warmup_steps=8)  # a model and a schedule of its own
+    assert current_dir(tmp_path / "c") != first_dir and other["steps"] == 6
+    assert {p.name: p.stat().st_mtime_ns for p in first_dir.glob("*.pt")} == files  # the first run is untouched
+    assert json.loads((current_dir(tmp_path / "c") / "setup.json").read_text())["train"]["warmup_steps"] == 8
+    capsys.readouterr()
+    back = run(TINY)  # the first settings again: their run is complete, nothing to train
+    assert current_dir(tmp_path / "c") == first_dir and "at step 6" in capsys.readouterr().out
+    assert back["loss"] == first["loss"] and {p.name: p.stat().st_mtime_ns for p in first_dir.glob("*.pt")} == files
 
 
 @pytest.mark.slow
@@ -83,9 +95,9 @@ def test_two_processes_train_together_and_a_resume_on_one_is_refused(encoded, vo
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *command],
                          env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert [s for s, _ in list_checkpoints(tmp_path / "ckpt")] == [2, 4]
+    assert [s for s, _ in list_checkpoints(current_dir(tmp_path / "ckpt"))] == [2, 4]
     assert json.loads((tmp_path / "train.json").read_text())["steps"] == 4
-    assert len(read_checkpoint(tmp_path / "ckpt/checkpoint-00000004.pt").parts["rng"]) == 2  # both processes'
+    assert len(read_checkpoint(current_dir(tmp_path / "ckpt") / "checkpoint-00000004.pt").parts["rng"]) == 2
     one = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 1 and "world_size changed" in one.stderr
 
@@ -193,8 +205,9 @@ def test_progress_records_totals_and_survives_its_state(tmp_path):
     restored.load_state_dict(progress.state_dict())
     assert restored == progress
     out = summary(progress, parameters=123, num_processes=2, peak=None)
-    assert out["steps"] == 4 and out["loss"] == 2.0 and out["tgt_tokens_per_sec"] == 20.0 and out["valid_loss"] == 2.5
-    assert out["train_flops"] == 12.0 and out["accelerator_hours"] == pytest.approx(4 * 2 / 3600) and "mfu" not in out
+    assert out["steps"] == 4 and out["loss"] == 2.0 and out["mean_tgt_tokens_per_sec"] == 20.0
+    assert out["valid_loss"] == 2.5 and out["train_flops"] == 12.0 and "mean_mfu" not in out
+    assert out["accelerator_hours"] == pytest.approx(4 * 2 / 3600)
     write_curves(tmp_path, progress)
     assert (tmp_path / "train.csv").read_text().splitlines() == [
         "step,loss,tgt_tokens_per_sec,tflops,train_flops", "2,3.0,10.0,1.0,5.0", "4,2.0,30.0,3.0,12.0"]
@@ -219,13 +232,13 @@ def test_averaging_takes_the_step_spaced_checkpoints_not_the_snapshots_between_t
     train.run(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "c",
               plots_dir=tmp_path / "plots")
     assert seen == [(1, True), (2, True), (3, False), (4, True), (5, True), (6, False), (7, True), (8, False)]
-    assert [p.name for _, p in list_checkpoints(tmp_path / "c", snapshots=True)] == \
+    assert [p.name for _, p in list_checkpoints(current_dir(tmp_path / "c"), snapshots=True)] == \
         ["checkpoint-00000006.pt", "checkpoint-00000008.pt"]  # keep 2; every snapshot superseded
     metrics = average.run(average.AverageParams(last=2), checkpoint_dir=tmp_path / "c", out_path=tmp_path / "m.st")
     assert (metrics["first_step"], metrics["last_step"]) == (6, 8)
 
 
-def test_a_run_resumed_from_a_snapshot_equals_one_never_stopped(encoded, vocab_dir, tmp_path):
+def test_a_run_resumed_from_a_snapshot_equals_one_never_stopped(encoded, vocab_dir, tmp_path, capsys):
     """The prefetcher has batches of later steps ready when the snapshot is taken: they must not count
     as consumed. fp32, so the weights must agree to the bit."""
     from accelerate import Accelerator
@@ -236,13 +249,14 @@ def test_a_run_resumed_from_a_snapshot_equals_one_never_stopped(encoded, vocab_d
     killed = train.Trainer(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, accelerator=Accelerator(cpu=True))
     for _ in range(3):
         killed.train_step()
-    killed.save(tmp_path / "b", snapshot=True)  # then the process dies
+    killed.save(setup_dir(tmp_path / "b", killed.setup), snapshot=True)  # then the process dies
     killed.close()
+    capsys.readouterr()
     resumed = train.run(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "b",
                         plots_dir=tmp_path / "plots")
-    assert resumed["steps"] == straight["steps"] == 7
-    a = read_checkpoint(tmp_path / "a/checkpoint-00000007.pt").parts
-    b = read_checkpoint(tmp_path / "b/checkpoint-00000007.pt").parts
+    assert resumed["steps"] == straight["steps"] == 7 and "snapshot-00000003.pt at step 3" in capsys.readouterr().out
+    a = read_checkpoint(current_dir(tmp_path / "a") / "checkpoint-00000007.pt").parts
+    b = read_checkpoint(current_dir(tmp_path / "b") / "checkpoint-00000007.pt").parts
     assert a["sampler"] == b["sampler"]
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
@@ -305,7 +319,7 @@ def test_compiled_training_equals_eager_and_compiles_once_for_all_lengths(encode
                   encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / str(compiled),
                   plots_dir=tmp_path / "plots")
         graphs = counters["stats"]["unique_graphs"]
-        checkpoint = read_checkpoint(tmp_path / f"{compiled}/checkpoint-00000008.pt")
+        checkpoint = read_checkpoint(current_dir(tmp_path / str(compiled)) / "checkpoint-00000008.pt")
         history[compiled] = [r["loss"] for r in checkpoint.parts["progress"]["history"]]
         models[compiled] = Transformer(config, checkpoint.meta.vocab_size, 0).eval()
         models[compiled].load_state_dict(checkpoint.parts["model"])
