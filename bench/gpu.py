@@ -190,13 +190,14 @@ def _marian(sizes: Sizes, work: Path, config, accum: int):
 def curve(sizes: Sizes, work: Path, precision: str) -> dict[str, Any]:
     """The train stage itself, base (tiny with --smoke) for the curve's steps in one precision."""
     from stages import train
-    from stages.model_files import list_checkpoints, read_checkpoint
+    from stages.model_files import current_dir, list_checkpoints, read_checkpoint
 
     name = "tiny" if "tiny" in sizes.models else "base"
     params = train_params(sizes, max_steps=sizes.curve_steps, precision=precision, log_every=sizes.curve_log_every)
     out = train.run(model_config(name), params, encoded_dir=work / "encoded", vocab_dir=work / "vocab",
                     checkpoint_dir=work / f"checkpoints-{precision}", plots_dir=work / f"plots-{precision}")
-    history = read_checkpoint(list_checkpoints(work / f"checkpoints-{precision}")[-1][1]).parts["progress"]["history"]
+    newest = list_checkpoints(current_dir(work / f"checkpoints-{precision}"))[-1][1]
+    history = read_checkpoint(newest).parts["progress"]["history"]
     return {"precision": precision, "model": name, "tgt_tokens_per_sec": out["mean_tgt_tokens_per_sec"],
             "steps": [r["step"] for r in history], "loss": [r["loss"] for r in history]}
 
@@ -206,10 +207,10 @@ def decode(sizes: Sizes, work: Path) -> dict[str, Any]:
     import sacrebleu
 
     from bench.decode import decode_all, report
-    from stages.model_files import list_checkpoints
+    from stages.model_files import current_dir, list_checkpoints
 
     trained = "fp32" if sizes.decode_precisions == ("fp32",) else "bf16"
-    model_path = list_checkpoints(work / f"checkpoints-{trained}")[-1][1]
+    model_path = list_checkpoints(current_dir(work / f"checkpoints-{trained}"))[-1][1]
     lines = (work / "text/test.en").read_text(encoding="utf-8").splitlines()
     refs = (work / "text/test.de").read_text(encoding="utf-8").splitlines()
     with tempfile.TemporaryDirectory(dir=work) as tmp:
