@@ -71,6 +71,8 @@ def test_set(params: dict[str, str]) -> str:
     """What a run was tested on, from its parameters: only newstest2014 compares with the paper."""
     if params.get("download.source") == "wmt14":
         return f"WMT14 newstest2014 ({params.get('download.wmt14.test', 'full')})"
+    if params.get("download.source") == "multi30k":
+        return "Multi30k test_2016_flickr"
     return f"{params.get('download.local.dir', '?')}/{params.get('download.local.test.src', '?')}"
 
 

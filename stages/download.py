@@ -1,8 +1,9 @@
 """Stage 1, download: gather the train, dev and test parallel text into one directory.
 
 Source `wmt14` fetches the official archives (verified, resumable, from mirrors in order), extracts
-the paper's corpora safely and parses the SGML test set. Source `local` reads parallel files the
-user already has (their own data, or no network). Output: <out>/{train,dev,test}.{src,tgt} and a
+the paper's corpora safely and parses the SGML test set. Source `multi30k` fetches Multi30k task 1
+through the same fetcher (a small real benchmark). Source `local` reads parallel files the user
+already has (their own data, or no network). Output: <out>/{train,dev,test}.{src,tgt} and a
 manifest with the languages, the training corpora in order and every count.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Literal
 
 from tqdm import tqdm
 
-from stages import wmt14
+from stages import multi30k, wmt14
 from stages.fetch import extract, fetch, open_member
 from stages.io import OutputPath, ParallelFiles, PipelineError, atomic_write, check, count_pairs, file_digest, \
     split_path, write_manifest
@@ -34,8 +35,21 @@ class Wmt14Source:
         unknown = [c for c in self.corpora if c not in wmt14.TRAINING_ARCHIVES]
         check(not unknown, "corpora", f"unknown corpus {', '.join(map(repr, unknown))} "
                                       f"(known: {', '.join(wmt14.TRAINING_ARCHIVES)})")
-        bad = [m for m in self.mirrors if not m.startswith(("http://", "https://"))]
-        check(not bad, "mirrors", f"{', '.join(map(repr, bad))} is not an http:// or https:// address")
+        _check_mirrors(self.mirrors)
+
+
+@dataclass(frozen=True)
+class Multi30kSource:
+    mirrors: tuple[str, ...]  # base addresses tried in order before the dataset's own repository
+    archive_dir: str  # the gzipped files are kept (and verified) here between runs
+
+    def __post_init__(self) -> None:
+        _check_mirrors(self.mirrors)
+
+
+def _check_mirrors(mirrors: tuple[str, ...]) -> None:
+    bad = [m for m in mirrors if not m.startswith(("http://", "https://"))]
+    check(not bad, "mirrors", f"{', '.join(map(repr, bad))} is not an http:// or https:// address")
 
 
 @dataclass(frozen=True)
@@ -48,10 +62,11 @@ class LocalSource:
 
 @dataclass(frozen=True)
 class DownloadParams:
-    source: Literal["wmt14", "local"]
+    source: Literal["wmt14", "multi30k", "local"]
     src_lang: str
     tgt_lang: str
     wmt14: Wmt14Source
+    multi30k: Multi30kSource
     local: LocalSource
 
     def __post_init__(self) -> None:
@@ -62,6 +77,10 @@ class DownloadParams:
                   f"wmt14 has en-de and en-fr, not {self.src_lang}-{self.tgt_lang}")
             other = [c for c in self.wmt14.corpora if c not in wmt14.PAPER_CORPORA[self.tgt_lang]]
             check(not other, "wmt14.corpora", f"no en-{self.tgt_lang} text in {', '.join(other)}")
+        elif self.source == "multi30k":
+            odd = [lang for lang in (self.src_lang, self.tgt_lang) if lang not in multi30k.LANGUAGES]
+            check(not odd, "tgt_lang" if self.src_lang in multi30k.LANGUAGES else "src_lang",
+                  f"multi30k has {', '.join(multi30k.LANGUAGES)}, not {', '.join(odd)}")
         else:
             check(bool(self.local.train), "local.train", "names no training corpus")
 
@@ -82,6 +101,8 @@ def run(params: DownloadParams, *, out_dir: OutputPath) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix=".download-", dir=out_dir.parent) as tmp:  # beside the output: same disk
         if params.source == "wmt14":
             splits = _wmt14(params, Path(tmp))
+        elif params.source == "multi30k":
+            splits = _multi30k(params, Path(tmp))
         else:
             splits = _local(params.local)
         # Check every pair of files before writing anything, so a bad one costs no partial output.
@@ -114,6 +135,10 @@ def source_digest(params: DownloadParams) -> str:
         for f in (*params.local.train, params.local.dev, params.local.test):
             for name in (f.src, f.tgt):
                 h.update(file_digest(root / name).encode() if (root / name).is_file() else b"missing")
+    elif params.source == "multi30k":
+        for split in multi30k.FILES:
+            for lang in (params.src_lang, params.tgt_lang):
+                h.update(multi30k.archive(split, lang).digest.encode())
     else:
         archives = [wmt14.TRAINING_ARCHIVES[c] for c in params.wmt14.corpora]
         for archive in (*archives, wmt14.DEV_ARCHIVE, wmt14.test_set(params.wmt14.test, params.tgt_lang)[0]):
@@ -169,12 +194,25 @@ def _wmt14(params: DownloadParams, tmp: Path) -> dict[str, list[Corpus]]:
     return {"train": train, "dev": [dev], "test": [test]}
 
 
-def _decompressed(path: Path, directory: Path) -> Path:
+def _multi30k(params: DownloadParams, tmp: Path) -> dict[str, list[Corpus]]:
+    archives, mirrors = Path(params.multi30k.archive_dir), params.multi30k.mirrors
+    splits = {}
+    for split, stem in multi30k.FILES.items():
+        src, tgt = (_decompressed(fetch(multi30k.archive(split, lang), archives, mirrors), tmp, keep=True)
+                    for lang in (params.src_lang, params.tgt_lang))
+        splits[split] = [Corpus(f"multi30k-{stem}", src, tgt, multi30k.PAIRS[split])]
+    return splits
+
+
+def _decompressed(path: Path, directory: Path, keep: bool = False) -> Path:
+    """The gunzipped copy of `path` in `directory` (`path` itself when not compressed), the
+    compressed file removed unless kept (a verified download is kept for the next run)."""
     if path.suffix != ".gz":
         return path
     out = directory / path.name[:-3]
     with open_member(path) as f, open(out, "wb") as o:
         shutil.copyfileobj(f, o, 1 << 20)
-    path.unlink()
+    if not keep:
+        path.unlink()
     return out
 

@@ -9,6 +9,7 @@ never used. Extraction refuses members that would land outside the target direct
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import shutil
@@ -16,6 +17,7 @@ import tarfile
 import time
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,7 @@ class Archive:
     size: int | None  # bytes, where published
     hash_name: str  # "sha256" or "md5"
     digest: str
+    gunzipped: bool = False  # the digest is of the gunzipped content, not of the bytes served
 
     @property
     def name(self) -> str:
@@ -47,11 +50,16 @@ class Archive:
         return [f"{m.rstrip('/')}/{path}" for m in mirrors] + [self.url]
 
 
-def file_hash(path: Path, hash_name: str) -> str:
+def file_hash(path: Path, hash_name: str, gunzipped: bool = False) -> str:
+    """The file's digest (of its gunzipped content with `gunzipped`; a damaged gzip stream gives
+    a description of the damage, which matches no digest)."""
     h = hashlib.new(hash_name)
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(BLOCK), b""):
-            h.update(block)
+    try:
+        with gzip.open(path, "rb") if gunzipped else open(path, "rb") as f:
+            for block in iter(lambda: f.read(BLOCK), b""):
+                h.update(block)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        return f"(not a whole gzip stream: {e})"
     return h.hexdigest()
 
 
@@ -75,7 +83,7 @@ def is_verified(path: Path, archive: Archive) -> bool:
                 return True
         except ValueError:
             pass
-    if file_hash(path, archive.hash_name) != archive.digest:
+    if file_hash(path, archive.hash_name, archive.gunzipped) != archive.digest:
         return False
     record.write_text(json.dumps({"size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
                                   archive.hash_name: archive.digest}))
@@ -107,7 +115,7 @@ def fetch(archive: Archive, directory: Path, mirrors: tuple[str, ...] = (), *, r
         except (OSError, urllib.error.URLError) as e:
             failures.append(f"{url}: {e}")
             continue
-        actual = file_hash(part, archive.hash_name)
+        actual = file_hash(part, archive.hash_name, archive.gunzipped)
         if actual == archive.digest:
             part.replace(final)
             is_verified(final, archive)  # records the verified hash
@@ -198,7 +206,5 @@ def extract(archive: Path, target: Path, wanted: set[str]) -> dict[str, Path]:
 def open_member(path: Path) -> IO[bytes]:
     """An extracted file, gunzipped on the fly when it is compressed (giga-fren ships .gz files)."""
     if path.suffix == ".gz":
-        import gzip
-
         return gzip.open(path, "rb")
     return open(path, "rb")

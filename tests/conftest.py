@@ -54,6 +54,7 @@ def download_params(shared: Path, work: Path, **changes) -> download.DownloadPar
     local.update(changes)
     wmt = download.Wmt14Source(corpora=("europarl-v7",), test="full", mirrors=(), archive_dir=str(work / "archives"))
     return download.DownloadParams(source="local", src_lang="en", tgt_lang="de", wmt14=wmt,
+                                   multi30k=download.Multi30kSource((), str(work / "archives/multi30k")),
                                    local=download.LocalSource(**local))
 
 

@@ -1,5 +1,6 @@
 """The real WMT14 download code against a loopback HTTP server (127.0.0.1 only) serving archives
 built at test time from ../shared/data in the official layouts."""
+import gzip
 import hashlib
 import html
 import io
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stages import download, wmt14
-from stages.download import DownloadParams, LocalSource, Wmt14Source
+from stages import download, multi30k, wmt14
+from stages.download import DownloadParams, LocalSource, Multi30kSource, Wmt14Source
 from stages.fetch import Archive, extract, fetch, is_verified
 from stages.io import ParallelFiles, PipelineError, read_lines
 
@@ -211,6 +212,7 @@ def test_the_download_stage_fetches_wmt14_in_the_official_layout(server, shared,
     params = DownloadParams(source="wmt14", src_lang="en", tgt_lang="de",
                             wmt14=Wmt14Source(corpora=("europarl-v7",), test="full", mirrors=(),
                                               archive_dir=str(tmp_path / "archives")),
+                            multi30k=Multi30kSource((), "."),
                             local=LocalSource(dir=".", train=(), dev=ParallelFiles("a", "b"),
                                               test=ParallelFiles("a", "b")))
     metrics = download.run(params, out_dir=tmp_path / "raw")
@@ -229,3 +231,76 @@ def test_the_paper_test_set_comes_from_sacrebleus_catalogue():
     assert archive.url == "https://statmt.org/wmt14/test-full.tgz" and archive.digest == "a8cd784e006feb32ac6f3d9ec7eb389a"
     assert (src, ref) == ("test-full/newstest2014-deen-src.en.sgm", "test-full/newstest2014-deen-ref.de.sgm")
     assert wmt14.test_set("filtered", "de")[0].digest == "84c597844c1542e29c2aff23aaee4310"
+
+
+# -- Multi30k: gzipped files built at test time from ../shared/data/multi30k --------------------------------
+
+@pytest.fixture
+def multi30k_server(server, shared, monkeypatch):
+    """The dataset's repository at `<server>/official`, its gzip files compressed here (so their bytes
+    differ from upstream's: the checksums are of the text, and must still match)."""
+    monkeypatch.setattr(multi30k, "BASE", f"{server.base}/official")
+    for split, stem in multi30k.FILES.items():
+        for lang in multi30k.LANGUAGES:
+            server.files[f"/official/{stem}.{lang}.gz"] = gzip.compress((shared / f"multi30k/{stem}.{lang}").read_bytes())
+    return server
+
+
+def multi30k_params(tmp_path: Path, src: str = "en", tgt: str = "de", mirrors: tuple[str, ...] = ()) -> DownloadParams:
+    return DownloadParams(source="multi30k", src_lang=src, tgt_lang=tgt,
+                          wmt14=Wmt14Source(("europarl-v7",), "full", (), "."),
+                          multi30k=Multi30kSource(mirrors, str(tmp_path / "archives")),
+                          local=LocalSource(".", (), ParallelFiles("a", "b"), ParallelFiles("a", "b")))
+
+
+@pytest.mark.parametrize(("src", "tgt"), [("en", "de"), ("en", "fr")])
+def test_the_download_stage_fetches_multi30k(multi30k_server, shared, tmp_path, src, tgt):
+    metrics = download.run(multi30k_params(tmp_path, src, tgt), out_dir=tmp_path / "raw")
+    assert (metrics["train_pairs"], metrics["dev_pairs"], metrics["test_pairs"]) == (29_000, 1_014, 1_000)
+    for split, stem in (("train", "train"), ("dev", "val"), ("test", "test_2016_flickr")):
+        for lang in (src, tgt):
+            assert (tmp_path / f"raw/{split}.{lang}").read_bytes() == (shared / f"multi30k/{stem}.{lang}").read_bytes()
+    assert sorted(p.name for p in (tmp_path / "archives").glob("*.gz")) == sorted(
+        f"{stem}.{lang}.gz" for stem in multi30k.FILES.values() for lang in (src, tgt))
+    requests = len(multi30k_server.requests)
+    download.run(multi30k_params(tmp_path, src, tgt), out_dir=tmp_path / "raw")  # verified files on disk are used
+    assert len(multi30k_server.requests) == requests
+
+
+def test_a_multi30k_transfer_cut_at_half_resumes(multi30k_server, tmp_path):
+    path = "/official/train.de.gz"
+    multi30k_server.cut_once.add(path)
+    download.run(multi30k_params(tmp_path), out_dir=tmp_path / "raw")
+    ranges = [r for p, r in multi30k_server.requests if p == path]
+    assert ranges == [None, f"bytes={len(multi30k_server.files[path]) // 2}-"]
+
+
+def test_multi30k_text_with_a_wrong_checksum_is_refused_and_nothing_is_written(multi30k_server, shared, tmp_path):
+    """A well-formed gzip of changed text (one caption edited) is caught after decompression, as is
+    a damaged gzip stream."""
+    text = (shared / "multi30k/val.de").read_bytes().replace(b"Ein ", b"Eine ", 1)
+    multi30k_server.files["/official/val.de.gz"] = gzip.compress(text)
+    multi30k_server.corrupt.add("/official/val.en.gz")
+    with pytest.raises(PipelineError, match=r"val.en.gz: sha256 \(not a whole gzip stream: .*\), expected"):
+        download.run(multi30k_params(tmp_path), out_dir=tmp_path / "raw")
+    assert not (tmp_path / "raw").exists() and not list((tmp_path / "archives").glob("val.*"))
+    multi30k_server.files["/official/val.en.gz"] = gzip.compress((shared / "multi30k/val.en").read_bytes())
+    multi30k_server.corrupt.clear()
+    with pytest.raises(PipelineError, match=rf"val.de.gz: sha256 {hashlib.sha256(text).hexdigest()}, expected "
+                                            rf"{multi30k.TEXT_SHA256[('dev', 'de')]}"):
+        download.run(multi30k_params(tmp_path), out_dir=tmp_path / "raw")
+
+
+def test_multi30k_mirrors_are_tried_in_order_before_the_repository(multi30k_server, tmp_path):
+    for path, data in list(multi30k_server.files.items()):
+        multi30k_server.files["/good" + path] = data
+    mirrors = (f"{multi30k_server.base}/missing", f"{multi30k_server.base}/good")
+    download.run(multi30k_params(tmp_path, mirrors=mirrors), out_dir=tmp_path / "raw")
+    first = [p for p, _ in multi30k_server.requests[:2]]
+    assert first == ["/missing/official/train.en.gz", "/good/official/train.en.gz"]
+    assert not any(p.startswith("/official/") for p, _ in multi30k_server.requests)
+
+
+def test_multi30k_has_three_languages():
+    with pytest.raises(ValueError, match="multi30k has en, de, fr, not cs"):
+        multi30k_params(Path("."), "en", "cs")
