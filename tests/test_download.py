@@ -240,9 +240,10 @@ def multi30k_server(server, shared, monkeypatch):
     """The dataset's repository at `<server>/official`, its gzip files compressed here (so their bytes
     differ from upstream's: the checksums are of the text, and must still match)."""
     monkeypatch.setattr(multi30k, "BASE", f"{server.base}/official")
-    for split, stem in multi30k.FILES.items():
+    for stem in multi30k.FILES.values():
         for lang in multi30k.LANGUAGES:
-            server.files[f"/official/{stem}.{lang}.gz"] = gzip.compress((shared / f"multi30k/{stem}.{lang}").read_bytes())
+            text = (shared / f"multi30k/{stem}.{lang}").read_bytes()
+            server.files[f"/official/{stem}.{lang}.gz"] = gzip.compress(text)
     return server
 
 
