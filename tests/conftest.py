@@ -162,6 +162,17 @@ def run_in(repo: Path, *args: str) -> str:
     return output
 
 
+def newest_runs(repo: Path) -> dict:
+    """The newest train-stage run and the newest pipeline run in the copy's MLflow store."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("transformer-en-de")
+    return {kind: client.search_runs([experiment.experiment_id], f"tags.{kind} = '{value}'",
+                                     order_by=["attributes.start_time DESC"])[0]
+            for kind, value in (("stage", "train"), ("run_kind", "pipeline"))}
+
+
 @pytest.fixture(scope="session")
 def repo(tmp_path_factory) -> Path:
     """One copy for the slow modules, which run in name order: test_pipeline (a first quickstart and

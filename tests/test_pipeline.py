@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import run_in, env_of
+from conftest import env_of, newest_runs, run_in
 from pipeline import dag
 
 STAGES = ["download", "clean", "vocab", "encode", "train", "average", "decode", "score", "export"]
@@ -119,13 +119,7 @@ def test_a_failed_stage_ends_the_run_with_its_own_error_and_keeps_earlier_output
     assert output.splitlines()[-1].startswith("error: stage 'train' failed: no training pair fits: ")
     assert "longer than the batch budget of 1 tokens per micro-batch" in output.splitlines()[-1]
     assert (repo / "models/averaged.safetensors").is_file()  # finished stages keep their outputs
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("transformer-en-de")
-    newest = {kind: client.search_runs([experiment.experiment_id], f"tags.{kind} = '{value}'",
-                                       order_by=["attributes.start_time DESC"])[0]
-              for kind, value in (("stage", "train"), ("run_kind", "pipeline"))}
+    newest = newest_runs(repo)
     assert {kind: run.info.status for kind, run in newest.items()} == {"stage": "FAILED", "run_kind": "FAILED"}
     assert newest["run_kind"].info.run_name == "batch_tokens=1"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_project, env_of, run_in, wait_for
+from conftest import copy_project, env_of, newest_runs, run_in, wait_for
 from pipeline import flow, tracking
 
 
@@ -81,13 +81,7 @@ def test_the_flow_stops_promptly_on_sigterm_and_its_stage_saves(flow_output, rep
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the flow's temporary Prefect server, if it outlived it
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("transformer-en-de")
-    newest = {kind: client.search_runs([experiment.experiment_id], f"tags.{kind} = '{value}'",
-                                       order_by=["attributes.start_time DESC"])[0]
-              for kind, value in (("stage", "train"), ("run_kind", "pipeline"))}
+    newest = newest_runs(repo)
     assert {kind: run.info.status for kind, run in newest.items()} == {"stage": "KILLED", "run_kind": "KILLED"}
 
 
