@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from transformer.attention import KVCache, MultiHeadAttention
+from transformer.attention import GrowingKVCache, KVCache, MultiHeadAttention
 from transformer.config import TransformerConfig
 
 
@@ -44,7 +44,7 @@ def _attention(c: TransformerConfig) -> MultiHeadAttention:
 class LayerCache:
     """A decoder layer's state while decoding one position at a time."""
 
-    self_attn: KVCache = field(default_factory=KVCache)  # grows by one position each step
+    self_attn: GrowingKVCache = field(default_factory=GrowingKVCache)  # one position longer each step
     cross_attn: KVCache = field(default_factory=KVCache)  # the source's, computed at the first step
 
 

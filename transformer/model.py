@@ -68,14 +68,17 @@ class Transformer(nn.Module):
             x = layer(x, src_pad)
         return self.encoder_norm(x), src_pad
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor,
-               cache: DecoderCache | None = None, offset: int = 0) -> Tensor:
-        """tgt_in (B, T) -> logits (B, T, vocab). With a cache, tgt_in holds only the positions from
-        `offset` on and keys and values of earlier positions come from the cache."""
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor, cache: DecoderCache | None = None,
+               offset: int = 0, out: Tensor | None = None) -> Tensor:
+        """tgt_in (N, T) -> logits (N, T, vocab); N may be beams x B (see MultiHeadAttention). With a
+        cache, tgt_in holds only the positions from `offset` on and keys and values of earlier positions
+        come from the cache. `out` (N, T, vocab), when given, receives the logits."""
         x = self._embed(tgt_in, offset)
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory, src_pad, cache.layers[i] if cache is not None else None)
-        return nn.functional.linear(self.decoder_norm(x), self.embed.weight)
+        if out is None:
+            return nn.functional.linear(self.decoder_norm(x), self.embed.weight)
+        return torch.matmul(self.decoder_norm(x), self.embed.weight.t(), out=out)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         memory, src_pad = self.encode(src)
@@ -83,56 +86,66 @@ class Transformer(nn.Module):
 
 
 class DecoderCache:
-    """Every decoder layer's keys and values while decoding, per hypothesis (row)."""
+    """Every decoder layer's keys and values while decoding: the self-attention's per hypothesis
+    (row), the cross-attention's per source sentence."""
 
     def __init__(self, layers: int) -> None:
         self.layers = [LayerCache() for _ in range(layers)]
 
-    def reorder(self, order: Tensor, sentences_dropped: bool) -> None:
-        """Keep rows `order` (N,) as beam search chose them. Every beam of a sentence shares its
-        source, so while rows only move among a sentence's beams the cross-attention keys and
-        values stay as they are; when finished sentences leave the batch, they shrink too."""
+    def reorder(self, order: Tensor, sentences: Tensor | None) -> None:
+        """Keep hypothesis rows `order` (N,) as beam search chose them and, when some sentences left
+        the batch, the source rows `sentences` of those that stay."""
         for layer in self.layers:
             layer.self_attn.reorder(order)
-            if sentences_dropped:
-                layer.cross_attn.reorder(order)
+            if sentences is not None:
+                layer.cross_attn.reorder(sentences)
 
 
 class IncrementalDecoder:
     """The beam-search view of a model over one batch of sources: next-token log-probabilities for
-    each prefix, with a key/value cache (or a full forward pass each step, for testing). The tokens
-    in `never` (padding, and the caller's BOS) get no probability at all: they are taken out before
-    the softmax, so neither the search nor the other tokens' probabilities depend on their rows of
-    the shared embedding."""
+    each prefix, with a key/value cache (or a full forward pass each step, for testing). The beams of
+    a sentence share its encoder output and cross-attention keys and values (one row per sentence, not
+    per beam). The tokens in `never` (padding, and the caller's BOS) get no probability at all: they
+    are taken out before the softmax, so neither the search nor the other tokens' probabilities depend
+    on their rows of the shared embedding."""
 
-    def __init__(self, model: Transformer, src: Tensor, beam_size: int, use_cache: bool = True,
-                 never: tuple[int, ...] = ()) -> None:
+    def __init__(self, model: Transformer, src: Tensor, use_cache: bool = True, never: tuple[int, ...] = ()) -> None:
         self.model = model
-        memory, src_pad = model.encode(src)
-        # Every beam of a sentence shares its encoder output: (B * beam, S, d_model).
-        self.memory = memory.repeat_interleave(beam_size, dim=0)
-        self.src_pad = src_pad.repeat_interleave(beam_size, dim=0)
+        self.memory, self.src_pad = model.encode(src)  # (B, S, d_model), (B, S)
         self.cache = DecoderCache(len(model.decoder)) if use_cache else None
         self.never = torch.tensor(sorted({model.pad_id, *never}), device=src.device)
+        # Logits and log-probabilities are written into these, the largest tensors of a step: on CPUs
+        # a fresh one each step costs about as much as the output projection (new pages from the OS).
+        self._logits: Tensor | None = None
+        self._log_probs: Tensor | None = None
+
+    def _buffers(self, n: int) -> tuple[Tensor, Tensor]:
+        vocab, weight = self.model.vocab_size, self.model.embed.weight
+        if self._logits is None or self._logits.size(0) < n:
+            self._logits = weight.new_empty(n, 1, vocab)
+            self._log_probs = torch.empty(n, vocab, device=weight.device)
+        assert self._log_probs is not None
+        return self._logits[:n], self._log_probs[:n]
 
     def step(self, tokens: Tensor) -> Tensor:
-        """tokens (N, t), every prefix so far -> log-probabilities of the next token (N, vocab)."""
+        """tokens (N, t), every prefix so far, N = beams x B -> log-probabilities of the next token (N,
+        vocab), in a tensor the next step overwrites."""
         if self.cache is None:
             logits = self.model.decode(tokens, self.memory, self.src_pad)[:, -1]
-        else:
-            t = tokens.size(1)
-            logits = self.model.decode(tokens[:, -1:], self.memory, self.src_pad, self.cache, offset=t - 1)[:, 0]
-        return torch.log_softmax(logits.float().index_fill_(-1, self.never, float("-inf")), dim=-1)
+            return torch.log_softmax(logits.float().index_fill_(-1, self.never, float("-inf")), dim=-1)
+        logits, log_probs = self._buffers(tokens.size(0))
+        t = tokens.size(1)
+        self.model.decode(tokens[:, -1:], self.memory, self.src_pad, self.cache, offset=t - 1, out=logits)
+        return torch.log_softmax(logits[:, 0].float().index_fill_(-1, self.never, float("-inf")), -1, out=log_probs)
 
-    def reorder(self, order: Tensor, sentences_dropped: bool = False) -> None:
-        """Keep the rows `order` (N,) of every per-hypothesis state, as beam search chose them. The
-        encoder output is the same for every beam of a sentence: it moves only when sentences leave
-        (or, without a cache, is read again in full each step, so it must follow the rows)."""
-        if self.cache is None or sentences_dropped:
-            self.memory = self.memory.index_select(0, order)
-            self.src_pad = self.src_pad.index_select(0, order)
+    def reorder(self, order: Tensor, sentences: Tensor | None = None) -> None:
+        """Keep the hypothesis rows `order` (N,) as beam search chose them, and the sentences'
+        rows `sentences` when some left the batch."""
+        if sentences is not None:
+            self.memory = self.memory.index_select(0, sentences)
+            self.src_pad = self.src_pad.index_select(0, sentences)
         if self.cache is not None:
-            self.cache.reorder(order, sentences_dropped)
+            self.cache.reorder(order, sentences)
 
 
 def training_flops(config: TransformerConfig, vocab_size: int, src_lengths: Tensor, tgt_lengths: Tensor) -> float:
