@@ -7,6 +7,7 @@ import torch
 
 from transformer import IncrementalDecoder, Transformer, TransformerConfig, beam_search, inverse_sqrt_rate
 import transformer.loss as loss_module
+from transformer.beam_search import STOPS
 from transformer.loss import label_smoothed_nll_loss
 from transformer.model import training_flops
 
@@ -62,58 +63,73 @@ def test_cached_decoding_equals_full_decoding():
     tokens = torch.cat([torch.full((3, 1), BOS), torch.randint(4, 23, (3, 6))], dim=1)
     with torch.no_grad():
         full = torch.log_softmax(model(src, tokens).index_fill(-1, torch.tensor([PAD]), float("-inf")), dim=-1)
-        decoder = IncrementalDecoder(model, src, beam_size=1)
-        steps = [decoder.step(tokens[:, : t + 1]) for t in range(tokens.size(1))]
+        decoder = IncrementalDecoder(model, src)
+        steps = [decoder.step(tokens[:, : t + 1]).clone() for t in range(tokens.size(1))]  # each overwrites the last
     torch.testing.assert_close(torch.stack(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
 def test_the_cache_has_a_place_per_layer_and_reorders_without_names():
     model = tiny_model()
     src = torch.randint(4, 23, (3, 5))
-    decoder = IncrementalDecoder(model, src, beam_size=2)  # 6 rows: two beams per sentence
+    decoder = IncrementalDecoder(model, src)  # stepped with 6 rows: two beams per sentence
     with torch.no_grad():
         decoder.step(torch.full((6, 1), BOS))
         decoder.step(torch.cat([torch.full((6, 1), BOS), torch.randint(4, 23, (6, 1))], dim=1))
     layers = decoder.cache.layers
     assert len(layers) == len(model.decoder) == 2
-    assert layers[0].self_attn.k.shape == (6, 4, 2, 8) and layers[0].cross_attn.k.shape == (6, 4, 5, 8)
+    # Self-attention per hypothesis; cross-attention per sentence, which its beams share.
+    assert layers[0].self_attn.k.shape == (6, 4, 2, 8) and layers[0].cross_attn.k.shape == (3, 4, 5, 8)
     before = [(layer.self_attn.k, layer.cross_attn.k) for layer in layers]
     swap = torch.tensor([1, 0, 3, 2, 5, 4])  # beams trade places within each sentence
     decoder.reorder(swap)
     for layer, (self_k, cross_k) in zip(layers, before):  # a sentence's beams share its source: left alone
         assert torch.equal(layer.self_attn.k, self_k[swap]) and layer.cross_attn.k is cross_k
     keep = torch.tensor([2, 3])  # only the second sentence is still searching
-    decoder.reorder(keep, sentences_dropped=True)
+    decoder.reorder(keep, sentences=torch.tensor([1]))
     for layer, (self_k, cross_k) in zip(layers, before):
-        assert torch.equal(layer.self_attn.k, self_k[swap][keep]) and torch.equal(layer.cross_attn.k, cross_k[keep])
-    assert decoder.memory.shape[0] == 2
+        assert torch.equal(layer.self_attn.k, self_k[swap][keep]) and torch.equal(layer.cross_attn.k, cross_k[1:2])
+    assert decoder.memory.shape[0] == 1
 
 
-def _search(model, src, beam, use_cache=True, alpha=0.6):
+def test_beams_sharing_a_source_row_attend_as_if_it_were_repeated():
+    model = tiny_model(seed=7)
+    src = torch.randint(4, 23, (3, 6))
+    src[2, 4:] = PAD
+    tokens = torch.randint(4, 23, (6, 4))  # two hypotheses of each sentence
     with torch.no_grad():
-        decoder = IncrementalDecoder(model, src, beam, use_cache=use_cache)
+        memory, src_pad = model.encode(src)
+        shared = model.decode(tokens, memory, src_pad)
+        repeated = model.decode(tokens, memory.repeat_interleave(2, 0), src_pad.repeat_interleave(2, 0))
+    torch.testing.assert_close(shared, repeated, atol=1e-5, rtol=1e-5)
+
+
+def _search(model, src, beam, use_cache=True, alpha=0.6, stop="exact"):
+    with torch.no_grad():
+        decoder = IncrementalDecoder(model, src, use_cache=use_cache)
         lengths = src.ne(PAD).sum(1) + 5
-        return beam_search(decoder, src.size(0), beam, lengths, BOS, EOS, alpha)
+        return beam_search(decoder, src.size(0), beam, lengths, BOS, EOS, alpha, stop=stop)
 
 
-def test_beam_search_with_cache_equals_without():
+@pytest.mark.parametrize("stop", STOPS)
+def test_beam_search_with_cache_equals_without(stop):
     model = tiny_model(seed=3)
     src = torch.randint(4, 23, (4, 6))
-    cached, uncached = _search(model, src, 4), _search(model, src, 4, use_cache=False)
+    cached, uncached = _search(model, src, 4, stop=stop), _search(model, src, 4, use_cache=False, stop=stop)
     assert [[h.tokens for h in hs] for hs in cached] == [[h.tokens for h in hs] for hs in uncached]
     for a, b in zip(cached, uncached):
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
 
 
-def test_batched_beam_search_equals_one_by_one():
+@pytest.mark.parametrize("stop", STOPS)
+def test_batched_beam_search_equals_one_by_one(stop):
     model = tiny_model(seed=5)
     sentences = [torch.randint(4, 23, (n,)) for n in (3, 7, 5, 1, 6)]
     batch = torch.full((len(sentences), 7), PAD)
     for i, s in enumerate(sentences):
         batch[i, : len(s)] = s
-    together = _search(model, batch, 4)
+    together = _search(model, batch, 4, stop=stop)
     for s, hyps in zip(sentences, together):
-        alone = _search(model, s[None], 4)[0]
+        alone = _search(model, s[None], 4, stop=stop)[0]
         assert alone[0].tokens == hyps[0].tokens
         assert alone[0].score == pytest.approx(hyps[0].score, abs=1e-4)
 
@@ -133,7 +149,7 @@ class ScriptedDecoder:
         dead = torch.full_like(self.rows[BOS], float("-inf")).index_fill_(0, torch.tensor([EOS]), 0.0)
         return torch.stack([self.rows.get(int(t), dead) for t in tokens[:, -1]])
 
-    def reorder(self, order, sentences_dropped):
+    def reorder(self, order, sentences):
         pass
 
 
@@ -252,6 +268,18 @@ def test_search_does_not_stop_before_a_better_hypothesis_can_finish():
         assert best.log_prob == pytest.approx(math.log(0.5 * 0.99 * 0.9))
 
 
+def test_the_finished_rule_stops_once_beam_size_hypotheses_ended():
+    # As above: [] ends at step 1 and [5] at step 2, so with beam 2 "finished" stops there, before the
+    # better [4, 6] can end at step 3; "exact" waits for it.
+    decoder = ScriptedDecoder({BOS: {4: 0.5, EOS: 0.3, 5: 0.2}, 4: {6: 0.99, EOS: 0.01}, 5: {EOS: 1.0},
+                               6: {EOS: 0.9, 4: 0.1}}, vocab=8)
+    found = beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, 0.0, stop="finished")[0]
+    assert [h.tokens for h in found] == [[], [5]]
+    assert beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, 0.0, stop="exact")[0][0].tokens == [4, 6]
+    with pytest.raises(ValueError, match="stop must be one of"):
+        beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, 0.0, stop="early")
+
+
 def test_a_small_model_memorises_a_copy_task():
     torch.manual_seed(0)
     config = TransformerConfig(d_model=64, n_heads=4, d_ff=128, encoder_layers=2, decoder_layers=2, dropout=0.0,
@@ -270,5 +298,5 @@ def test_a_small_model_memorises_a_copy_task():
         schedule.step()
     model.eval()
     with torch.no_grad():
-        hyps = beam_search(IncrementalDecoder(model, src, 2), 24, 2, torch.full((24,), 10), 2, 3, 0.6)
+        hyps = beam_search(IncrementalDecoder(model, src), 24, 2, torch.full((24,), 10), 2, 3, 0.6)
     assert [h[0].tokens for h in hyps] == sources.tolist()

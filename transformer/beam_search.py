@@ -15,11 +15,13 @@ from torch import Tensor
 
 class StepDecoder(Protocol):
     def step(self, tokens: Tensor) -> Tensor:
-        """tokens (N, t), each live prefix starting with BOS -> next-token log-probs (N, vocab)."""
+        """tokens (N, t), each live prefix starting with BOS -> next-token log-probs (N, vocab), which
+        the search may write into (it reads them only before the next call)."""
 
-    def reorder(self, order: Tensor, sentences_dropped: bool) -> None:
+    def reorder(self, order: Tensor, sentences: Tensor | None) -> None:
         """Row i of every per-hypothesis state becomes old row order[i]. Rows move only among a
-        sentence's beams, unless sentences_dropped: then whole sentences' rows are gone too."""
+        sentence's beams, unless some sentences left the batch: then `sentences` holds the old
+        batch rows of those that stay (for per-sentence state), and their beams' rows are in order."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ def power_length_penalty(length: int, alpha: float) -> float:
 LENGTH_PENALTIES = {"gnmt": gnmt_length_penalty, "power": power_length_penalty}
 
 
+STOPS = ("exact", "finished")
+
+
 def beam_search(
     decoder: StepDecoder,
     batch_size: int,
@@ -51,38 +56,47 @@ def beam_search(
     eos: int,
     alpha: float,
     formula: str = "gnmt",
+    stop: str = "exact",
 ) -> list[list[Hypothesis]]:
     """Search every sentence of the batch at once; return each one's finished hypotheses, best first.
 
     max_lengths (B,): the most tokens (EOS included) sentence b may produce, e.g. source length + 50;
     at that length only EOS is allowed. A hypothesis ends when EOS is among the best `beam_size`
     candidates of its step. Scores rank live hypotheses by their summed log-probability and finished
-    ones by that sum over the length penalty. A sentence stops once its `beam_size` best finished
-    hypotheses cannot be beaten by any live one (see `_settled`), so the search returns what an
-    unbounded one would among the hypotheses it kept; its rows then leave the batch, so the steps
-    that remain compute only for sentences still searching. `formula` names the length penalty
-    (LENGTH_PENALTIES): the paper's GNMT one, or |Y|^alpha.
+    ones by that sum over the length penalty. `formula` names the length penalty (LENGTH_PENALTIES):
+    the paper's GNMT one, or |Y|^alpha. `stop` says when a sentence is done:
+    - "exact": once its `beam_size` best finished hypotheses cannot be beaten by any live one (see
+      `_settled`), so the search returns what an unbounded one would among the hypotheses it kept
+      (tensor2tensor, the paper's code);
+    - "finished": once `beam_size` of its hypotheses have finished (fairseq, CTranslate2, transformers
+      with early_stopping): a live one could still have won after the length penalty, rarely (the
+      same dev BLEU on Multi30k), and it takes about two thirds of exact's steps.
+    A done sentence's rows leave the batch, so the steps that remain compute only for sentences
+    still searching. The first step has one row per sentence (every beam would start from BOS alone);
+    the decoder's reorder then spreads it to `beam_size` rows.
     """
+    if stop not in STOPS:
+        raise ValueError(f"stop must be one of {STOPS}, not {stop!r}")
     penalty = LENGTH_PENALTIES[formula]
     K = beam_size
     device = max_lengths.device
     active = list(range(batch_size))  # the batch's sentences still searching, in row order
-    tokens = torch.full((batch_size * K, 1), bos, dtype=torch.long, device=device)
-    scores = torch.zeros(batch_size, K, device=device)
-    scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
+    tokens = torch.full((batch_size, 1), bos, dtype=torch.long, device=device)
+    scores = torch.zeros(batch_size, 1, device=device)  # (B, beams): 1 beam at the first step, then K
     finished: list[list[Hypothesis]] = [[] for _ in range(batch_size)]
     limits = max_lengths.tolist()
     for t in range(int(max_lengths.max())):
-        B = len(active)
-        lprobs = decoder.step(tokens).view(B, K, -1)
+        B, beams = scores.shape
+        lprobs = decoder.step(tokens).view(B, beams, -1)
         vocab = lprobs.size(-1)
         at_limit = max_lengths.le(t + 1)
-        if at_limit.any():
-            eos_only = torch.full_like(lprobs[0, 0], float("-inf"))
-            eos_only[eos] = 0.0
-            lprobs = torch.where(at_limit[:, None, None], lprobs + eos_only, lprobs)
-        candidates = (scores.unsqueeze(-1) + lprobs).view(B, K * vocab)
-        top_scores, top_index = candidates.topk(2 * K, dim=1)  # (B, 2K): at most K end here
+        if at_limit.any():  # only EOS is left to these sentences' beams
+            rows = at_limit.nonzero().squeeze(1)
+            eos_lprobs = lprobs[rows, :, eos]
+            lprobs[rows] = float("-inf")
+            lprobs[rows, :, eos] = eos_lprobs
+        candidates = lprobs.add_(scores.unsqueeze(-1)).view(B, beams * vocab)
+        top_scores, top_index = candidates.topk(min(2 * K, beams * vocab), dim=1)  # (B, 2K): at most K end here
         top_beam, top_token = top_index // vocab, top_index % vocab
         ended = top_token.eq(eos)
 
@@ -90,27 +104,31 @@ def beam_search(
         for row, j in ended[:, :K].nonzero().tolist():  # few per step: only these go to Python
             log_prob = float(top_scores[row, j])
             if log_prob > float("-inf"):
-                prefix = tokens[row * K + int(top_beam[row, j]), 1:].tolist()
+                prefix = tokens[row * beams + int(top_beam[row, j]), 1:].tolist()
                 finished[active[row]].append(Hypothesis(prefix, log_prob / penalty(t + 1, alpha), log_prob))
 
         # The best K candidates that did not end live on; ended ones sort last.
-        rank = torch.arange(2 * K, device=device).expand(B, -1) + ended.long() * 2 * K
+        rank = torch.arange(top_index.size(1), device=device).expand(B, -1) + ended.long() * 2 * K
         keep = rank.topk(K, dim=1, largest=False).indices
         scores = top_scores.gather(1, keep)
-        best_alive = scores[:, 0].tolist()
-        searching = [row for row, b in enumerate(active) if not (
-            t + 1 >= limits[b] or _settled(finished[b], K, best_alive[row], penalty(limits[b], alpha)))]
+        if stop == "finished":
+            searching = [row for row, b in enumerate(active) if not (t + 1 >= limits[b] or len(finished[b]) >= K)]
+        else:
+            best_alive = scores[:, 0].tolist()
+            searching = [row for row, b in enumerate(active) if not (
+                t + 1 >= limits[b] or _settled(finished[b], K, best_alive[row], penalty(limits[b], alpha)))]
         if not searching:
             break
-        order = (torch.arange(B, device=device)[:, None] * K + top_beam.gather(1, keep)).view(-1)
+        order = (torch.arange(B, device=device)[:, None] * beams + top_beam.gather(1, keep)).view(-1)
         tokens = torch.cat([tokens.index_select(0, order), top_token.gather(1, keep).view(-1, 1)], dim=1)
-        if len(searching) < B:  # drop the settled sentences' rows from every state
+        rows = None
+        if len(searching) < B:  # drop the done sentences' rows from every state
             rows = torch.tensor(searching, device=device)
             beam_rows = (rows[:, None] * K + torch.arange(K, device=device)).view(-1)
             order, tokens, scores = order[beam_rows], tokens[beam_rows], scores[rows]
             max_lengths = max_lengths[rows]
             active = [active[row] for row in searching]
-        decoder.reorder(order, sentences_dropped=len(searching) < B)
+        decoder.reorder(order, rows)
     return [sorted(f, key=lambda h: h.score, reverse=True) for f in finished]
 
 
