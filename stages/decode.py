@@ -25,6 +25,7 @@ class DecodeParams:
     beam_size: int  # 1: greedy
     length_penalty: float  # alpha
     length_penalty_formula: Literal["gnmt", "power"]  # gnmt: ((5 + |Y|) / 6)^alpha (the paper); power: |Y|^alpha
+    stop: Literal["exact", "finished"]  # when a sentence's search ends: transformer.beam_search says
     max_length_extra: int  # a translation has at most (source tokens + this) tokens
     batch_tokens: int  # source tokens per batch, padding included
 
@@ -56,7 +57,7 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, desc: str = "decode") -> list[str]:
     """Translate `lines`, batched by length for speed, returned in input order."""
     device = next(model.parameters()).device
@@ -76,9 +77,9 @@ def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, de
         src = pad(batch).to(device)
         max_lengths = torch.tensor([min(len(ids) - 1 + params.max_length_extra, limit) for ids in batch],
                                    device=device).clamp(min=1)
-        decoder = IncrementalDecoder(model, src, params.beam_size, never=(vocab.PAD_ID, vocab.BOS_ID))
+        decoder = IncrementalDecoder(model, src, never=(vocab.PAD_ID, vocab.BOS_ID))
         hyps = beam_search(decoder, len(batch), params.beam_size, max_lengths, vocab.BOS_ID, vocab.EOS_ID,
-                           params.length_penalty, params.length_penalty_formula)
+                           params.length_penalty, params.length_penalty_formula, params.stop)
         for i, found in zip(indices, hyps, strict=True):
             out[i] = sp.decode(found[0].tokens) if found else ""
         bar.update(len(indices))

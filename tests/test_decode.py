@@ -29,7 +29,7 @@ def test_average_refuses_mismatched_checkpoints():
 
 
 def test_decode_translates_every_line_in_order(averaged, vocab_dir, cleaned, work):
-    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt",
+    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
                                  max_length_extra=3, batch_tokens=2000)
     metrics = decode.run(params, model_path=averaged[0], vocab_dir=vocab_dir, clean_dir=cleaned[0],
                          out_dir=work / "hyps")
@@ -41,7 +41,7 @@ def test_decode_batch_size_does_not_change_translations(averaged, vocab_dir, cle
     model = decode.load_translator(averaged[0], torch.device("cpu"))
     lines = list(read_lines(cleaned[0] / "dev.en"))[:64]
     sp = vocab.load(vocab_dir)
-    params = dict(beam_size=3, length_penalty=0.6, length_penalty_formula="gnmt", max_length_extra=4)
+    params = dict(beam_size=3, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished", max_length_extra=4)
     one = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=1, **params))  # one sentence a batch
     many = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=10**6, **params))  # all 64 in one
     assert one == many
@@ -67,7 +67,8 @@ def test_exported_models_translate_like_the_decode_stage(exported, averaged, voc
     lines = list(read_lines(cleaned[0] / "dev.en"))[:12]
     sp = vocab.load(vocab_dir)
     ours = decode.translate(decode.load_translator(averaged[0], torch.device("cpu")), sp, lines, decode.DecodeParams(
-        beam_size=1, length_penalty=0.0, length_penalty_formula="gnmt", max_length_extra=5, batch_tokens=10**6))
+        beam_size=1, length_penalty=0.0, length_penalty_formula="gnmt", stop="finished", max_length_extra=5,
+        batch_tokens=10**6))
     hf = MarianMTModel.from_pretrained(exported[0] / "marian").eval()
     tokenizer = MarianTokenizer.from_pretrained(exported[0] / "marian")
     ct2 = ctranslate2.Translator(str(exported[0] / "ctranslate2"))
@@ -100,8 +101,8 @@ def test_translate_command_reads_a_file_or_stdin_and_warns_of_cut_lines(averaged
             "-S", "decode.max_length_extra=3"]
     assert cli.main([*args, str(tmp_path / "in.en")]) == 0
     out, err = capsys.readouterr()
-    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", max_length_extra=3,
-                                 batch_tokens=8000)
+    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
+                                 max_length_extra=3, batch_tokens=8000)
     expected = decode.translate(decode.load_translator(averaged[0], torch.device("cpu")), vocab.load(vocab_dir),
                                 lines, params)
     assert out.splitlines() == expected and "1 input lines were longer than the model's 511 positions" in err

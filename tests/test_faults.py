@@ -152,8 +152,8 @@ def test_clean_checks_every_split_before_writing_anything(tmp_path):
 
 def test_translations_never_contain_padding_or_bos_and_ignore_the_padding_row(averaged, vocab_dir, cleaned):
     lines = list(read_lines(cleaned[0] / "dev.en"))[:60]
-    params = decode.DecodeParams(beam_size=3, length_penalty=0.6, length_penalty_formula="gnmt", max_length_extra=5,
-                                 batch_tokens=2000)
+    params = decode.DecodeParams(beam_size=3, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
+                                 max_length_extra=5, batch_tokens=2000)
     model = decode.load_translator(averaged[0], torch.device("cpu"))
     sp = vocab.load(vocab_dir)
     before = decode.translate(model, sp, lines, params)
@@ -165,7 +165,7 @@ def test_translations_never_contain_padding_or_bos_and_ignore_the_padding_row(av
 
     src = torch.tensor([sp.encode(line)[:20] + [vocab.EOS_ID] for line in lines[:4] if len(sp.encode(line)) >= 20])
     with torch.no_grad():
-        found = beam_search(IncrementalDecoder(model, src, 3, never=(vocab.PAD_ID, vocab.BOS_ID)), len(src), 3,
+        found = beam_search(IncrementalDecoder(model, src, never=(vocab.PAD_ID, vocab.BOS_ID)), len(src), 3,
                             torch.full((len(src),), 25), vocab.BOS_ID, vocab.EOS_ID, 0.6)
     assert all(vocab.PAD_ID not in h.tokens and vocab.BOS_ID not in h.tokens for hyps in found for h in hyps)
 
