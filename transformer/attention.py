@@ -39,7 +39,8 @@ class GrowingKVCache(KVCache):
         torch.index_select(self.v, 0, order, out=v[:, :, :t])
         self.k, self.v, self.room = k[:, :, :t], v[:, :, :t], (k, v)
 
-    def append(self, k: Tensor, v: Tensor) -> None:
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add positions k, v (N, n_heads, T, d); return all keys and values so far."""
         if self.k is None or self.v is None:
             self.k, self.v = k, v
         elif self.room is not None and k.size(2) == 1:
@@ -48,6 +49,7 @@ class GrowingKVCache(KVCache):
             self.k, self.v = room_k, room_v
         else:
             self.k, self.v, self.room = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2), None
+        return self.k, self.v
 
 
 class MultiHeadAttention(nn.Module):
@@ -72,11 +74,9 @@ class MultiHeadAttention(nn.Module):
             return cache.k, cache.v  # encoder-decoder attention: the source's keys and values, computed once
         k, v = self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))
         if isinstance(cache, GrowingKVCache):  # self-attention: append
-            cache.append(k, v)
-        elif cache is not None:
+            return cache.append(k, v)
+        if cache is not None:
             cache.k, cache.v = k, v
-        if cache is not None and cache.k is not None and cache.v is not None:
-            return cache.k, cache.v
         return k, v
 
     def forward(

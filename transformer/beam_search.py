@@ -91,10 +91,10 @@ def beam_search(
         vocab = lprobs.size(-1)
         at_limit = max_lengths.le(t + 1)
         if at_limit.any():  # only EOS is left to these sentences' beams
-            rows = at_limit.nonzero().squeeze(1)
-            eos_lprobs = lprobs[rows, :, eos]
-            lprobs[rows] = float("-inf")
-            lprobs[rows, :, eos] = eos_lprobs
+            limited = at_limit.nonzero().squeeze(1)
+            eos_lprobs = lprobs[limited, :, eos]
+            lprobs[limited] = float("-inf")
+            lprobs[limited, :, eos] = eos_lprobs
         candidates = lprobs.add_(scores.unsqueeze(-1)).view(B, beams * vocab)
         top_scores, top_index = candidates.topk(min(2 * K, beams * vocab), dim=1)  # (B, 2K): at most K end here
         top_beam, top_token = top_index // vocab, top_index % vocab
