@@ -168,6 +168,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each system, taken in turn; the best counts")
     ap.add_argument("--random-base", action="store_true", help="a base-size model with random weights")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, not {args.repeats}")
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_base:
             args.model, args.vocab_dir = random_base(Path(tmp))
