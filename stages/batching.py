@@ -94,14 +94,23 @@ def divisible(batches: list[np.ndarray], parts: int) -> list[np.ndarray]:
 
 
 class BatchSampler:
-    """An endless, resumable stream of this process's batches, epoch after epoch. Every process
-    knows every process's batch at each position (the order is the seed's), so the step's global
-    token count needs no communication."""
+    """An endless, resumable stream of this process's batches, epoch after epoch.
 
-    def __init__(self, batches: list[np.ndarray], seed: int, num_processes: int = 1, rank: int = 0) -> None:
-        self.batches, self.seed = divisible(batches, num_processes), seed
+    The stream is global: the seed alone orders each epoch's batches, and a step takes the next
+    `per_step` of them (processes x micro-batches per process), process r every r-th of each
+    `num_processes`. A run resumed on another number of processes, with gradient accumulation
+    changed to keep the product, so trains on the same batches in the same steps. Every process
+    knows every process's batch at each position, so the step's global token count needs no
+    communication."""
+
+    def __init__(self, batches: list[np.ndarray], seed: int, num_processes: int = 1, rank: int = 0,
+                 per_step: int | None = None) -> None:
+        per_step = per_step or num_processes
+        if per_step % num_processes:
+            raise ValueError(f"{per_step} batches a step cannot be shared out over {num_processes} processes")
+        self.batches, self.seed = divisible(batches, per_step), seed  # whole steps an epoch
         self.num_processes, self.rank = num_processes, rank
-        self.epoch, self.position = 0, 0
+        self.epoch, self.position = 0, 0  # position: this process's batches taken in the epoch
         self._order = self._epoch_order()
 
     def _epoch_order(self) -> np.ndarray:
@@ -134,10 +143,20 @@ class BatchSampler:
         return other
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        """The place in the global stream: whatever the number of processes that resumes from it."""
+        return {"epoch": self.epoch, "batches": self.position * self.num_processes}
+
+    def validate(self, state: dict[str, int]) -> None:
+        """Refuse a place this stream does not have, before anything is loaded."""
+        epoch, taken = state.get("epoch"), state.get("batches")
+        if not (isinstance(epoch, int) and isinstance(taken, int) and epoch >= 0 and 0 <= taken <= len(self.batches)
+                and taken % self.num_processes == 0):
+            raise ValueError(f"its sampler state {state} is not a place in an epoch of {len(self.batches)} batches "
+                             f"shared by {self.num_processes} processes")
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.validate(state)
+        self.epoch, self.position = state["epoch"], state["batches"] // self.num_processes
         self._order = self._epoch_order()
 
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 from tqdm import tqdm
 
 from stages import vocab
@@ -33,7 +33,8 @@ from stages.model_files import Checkpoint, ModelMeta, checkpoint_path, list_chec
     prune_checkpoints, read_checkpoint, remove_unfinished, setup_dir, write_checkpoint
 from stages.train_inputs import StepInputs, StepStream, training_sampler, within_positions
 from stages.train_metrics import MetricsWindow, Progress, progress_line, summary, write_curves
-from stages.train_state import CheckpointSchedule, RngStates, Stateful, StopRequest, UnwrappedModel, differences
+from stages.train_state import CheckpointSchedule, Stateful, StopRequest, Topology, UnwrappedModel, differences, \
+    micro_batch_seed
 from transformer import Transformer, TransformerConfig, inverse_sqrt_rate, label_smoothed_nll_loss
 
 MetricsLogger = Callable[[dict[str, float], int], None]
@@ -69,8 +70,10 @@ class TrainParams:
 
 
 # Train parameters that may change between a run and its resumption: they do not alter the updates.
+# grad_accum may change with the number of processes, their product (micro-batches a step) kept.
 RESUMABLE_CHANGES = {"max_steps", "log_every", "validate_every", "checkpoint_every_steps",
-                     "checkpoint_every_minutes", "keep_checkpoints", "compile"}
+                     "checkpoint_every_minutes", "keep_checkpoints", "compile", "grad_accum"}
+PER_STEP = "micro_batches_per_step"  # processes x grad_accum: a resumption must keep it
 
 
 def _digest(*paths: Path) -> str:
@@ -121,14 +124,14 @@ class Trainer:
             "train": {k: v for k, v in asdict(params).items() if k not in RESUMABLE_CHANGES},
             "vocab": _digest(Path(vocab_dir) / vocab.MODEL_FILE),
             "data": _digest(*sorted(Path(encoded_dir).glob("train.*.npy"))),
-            "world_size": world,
+            PER_STEP: world * params.grad_accum,
         }
 
     @property
     def setup(self) -> dict[str, Any]:
-        """What names this run's checkpoint folder: the fingerprint but the number of processes, a
+        """What names this run's checkpoint folder: the fingerprint but the micro-batches a step, a
         change of which is refused on resumption rather than started afresh."""
-        return {k: v for k, v in self.fingerprint.items() if k != "world_size"}
+        return {k: v for k, v in self.fingerprint.items() if k != PER_STEP}
 
     @property
     def parts(self) -> dict[str, Stateful]:
@@ -136,7 +139,7 @@ class Trainer:
         return {"model": UnwrappedModel(self.acc, self.model), "optimizer": self.optimizer,
                 "scheduler": self.scheduler, "sampler": self.sampler, "progress": self.progress,
                 **({"scaler": self.acc.scaler} if self.acc.scaler is not None else {}),
-                "rng": RngStates(self.acc.process_index)}
+                "topology": Topology(self.acc.num_processes, self.params.grad_accum, self.acc.print)}
 
     def close(self) -> None:
         """Stop preparing batches ahead."""
@@ -163,6 +166,7 @@ class Trainer:
         for i, batch in enumerate(prepared.micro):
             src, tgt_in, tgt_out = (x.to(acc.device, non_blocking=True) for x in batch)
             last = i == len(prepared.micro) - 1
+            torch.manual_seed(micro_batch_seed(p.seed, self.progress.step, i * acc.num_processes + acc.process_index))
             with contextlib.nullcontext() if last else acc.no_sync(self.model), acc.autocast():
                 logits = self.model(src, tgt_in)
                 loss, nll = label_smoothed_nll_loss(logits, tgt_out, p.label_smoothing, vocab.PAD_ID)
@@ -213,7 +217,7 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, checkpoint_dir: Path, snapshot: bool = False) -> None:
         """A checkpoint (averaged later), or a snapshot (crash safety only); every process calls it."""
-        parts = {name: part.state_dict() for name, part in self.parts.items()}  # the RNGs gather
+        parts = {name: part.state_dict() for name, part in self.parts.items()}
         if self.acc.is_main_process:
             step = self.progress.step
             meta = ModelMeta(self.meta.config, self.meta.vocab_size, (step,))
@@ -223,7 +227,8 @@ class Trainer:
 
     def resume(self, checkpoint_dir: Path) -> None:
         """Continue from the newest checkpoint or snapshot that loads, if it is of this run. A file that
-        is truncated or damaged is skipped, with a warning, for the one before it."""
+        is truncated or damaged is skipped, with a warning, for the one before it. Every process must
+        find the same one: on several nodes the folder is one that all of them read."""
         self.close()  # a stream started before this would read from the old position
         for _, path in reversed(list_checkpoints(checkpoint_dir, snapshots=True)):
             try:
@@ -233,19 +238,26 @@ class Trainer:
                 continue
             try:
                 self._check(checkpoint, checkpoint_dir, path)
-                break
             except Damaged as e:
                 self.acc.print(f"warning: skipping {path}: {e}")
-        else:
-            return
-        for name, part in self.parts.items():
-            part.load_state_dict(checkpoint.parts[name])
-        self.acc.print(f"resumed from {path} at step {self.progress.step}")
+                continue
+            for name, part in self.parts.items():
+                part.load_state_dict(checkpoint.parts[name])
+            self.acc.print(f"resumed from {path} at step {self.progress.step}")
+            break
+        steps = gather_object([self.progress.step])
+        if len(set(steps)) > 1:
+            raise PipelineError(f"the processes found different checkpoints in {checkpoint_dir} (steps {steps}, "
+                                f"by process): on several nodes it must be one folder they all read, on a shared "
+                                f"filesystem")
 
     def _check(self, checkpoint: Checkpoint, checkpoint_dir: Path, path: Path) -> None:
         """Refuse another run's checkpoint; find damage before anything is loaded."""
         if checkpoint.fingerprint != self.fingerprint:
             changed = differences(checkpoint.fingerprint, self.fingerprint)
+            if changed == [PER_STEP]:  # another split of the step, of another product
+                raise PipelineError(f"{checkpoint_dir} holds a run of "
+                                    f"{self.parts['topology'].refusal(checkpoint.parts['topology'])}")
             raise PipelineError(
                 f"{checkpoint_dir} holds a run of this setup with {', '.join(changed)} changed, which cannot be "
                 f"resumed so; move or delete that directory to start afresh")

@@ -37,7 +37,7 @@ def training_sampler(corpus: ParallelIds, batch_tokens: int, grad_accum: int, se
         raise PipelineError(f"no training pair fits: {dropped['over_budget']} are longer than the batch budget of "
                             f"{micro_tokens} tokens per micro-batch (train.batch_tokens / processes / grad_accum) "
                             f"and {dropped['over_positions']} longer than model.max_positions ({max_positions})")
-    return BatchSampler(batches, seed, world, rank), micro_tokens, dropped
+    return BatchSampler(batches, seed, world, rank, per_step=world * grad_accum), micro_tokens, dropped
 
 
 @dataclass(frozen=True)

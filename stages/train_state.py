@@ -1,8 +1,10 @@
 """The train stage's state as checkpoints hold it, and when they are written.
 
 The state is a set of named parts that each save and load themselves (the Trainer lists them): the
-model's own weights, optimizer, schedule, sampler, progress, loss scaler and every process's random
-number generators. A resumption must be of the same run: its fingerprint says what may not change.
+model's own weights, optimizer, schedule, sampler, progress, loss scaler and the step's split over
+processes. Random draws (dropout) are seeded by the micro-batch they are for, so there is no
+generator state to keep. A resumption must be of the same run: its fingerprint says what may not
+change.
 """
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
 
 if TYPE_CHECKING:
     from stages.train import TrainParams
@@ -29,32 +31,36 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 
 
-class RngStates:
-    """Every process's random number generators, gathered (a collective: every process calls it) so
-    that one file resumes them all."""
+def micro_batch_seed(seed: int, step: int, index: int) -> int:
+    """The random seed of a step's `index`-th micro-batch over all processes (process r's a-th of W
+    processes is a x W + r). Dropout is drawn from it, so the masks depend on which batch is trained,
+    not on which process trains it: a run resumed on another split of the step draws the same ones,
+    and no generator's state needs saving."""
+    return int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0])
 
-    def __init__(self, process_index: int) -> None:
-        self.process_index = process_index
 
-    def state_dict(self) -> list[dict[str, torch.Tensor]]:
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        return gather_object([rng])  # one per process, in rank order
+class Topology:
+    """How each step is split: processes x micro-batches on each. A run may resume on another split
+    of the same product (the sampler's stream is global); the change is said where it happens."""
 
-    def validate(self, states: Any) -> None:
-        """Refuse a damaged state before anything is loaded (tried on a generator of its own)."""
-        try:
-            torch.Generator().set_state(states[self.process_index]["cpu"])
-        except (RuntimeError, TypeError, KeyError, IndexError) as e:
-            raise ValueError(f"its random number generator state is damaged ({type(e).__name__}: {e})") from None
+    def __init__(self, processes: int, grad_accum: int, say: Callable[[str], None]) -> None:
+        self.processes, self.grad_accum, self.say = processes, grad_accum, say
 
-    def load_state_dict(self, states: list[dict[str, torch.Tensor]]) -> None:
-        self.validate(states)
-        rng = states[self.process_index]
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+    def state_dict(self) -> dict[str, int]:
+        return {"processes": self.processes, "grad_accum": self.grad_accum}
+
+    def refusal(self, saved: dict[str, int]) -> str:
+        """Why a run split as `saved` cannot go on split as this one: the products differ."""
+        was, now = saved["processes"] * saved["grad_accum"], self.processes * self.grad_accum
+        return (f"{saved['processes']} processes x train.grad_accum {saved['grad_accum']} = {was} micro-batches a "
+                f"step; this one has {self.processes} x {self.grad_accum} = {now}: resume it with processes x "
+                f"train.grad_accum = {was}, or move or delete that directory to start afresh")
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state != self.state_dict():
+            self.say(f"topology changed: the run was trained on {state['processes']} processes x "
+                     f"{state['grad_accum']} micro-batches a step and goes on on {self.processes} x {self.grad_accum}, "
+                     f"the same {self.processes * self.grad_accum} micro-batches a step in the same order")
 
 
 class UnwrappedModel:

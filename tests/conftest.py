@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,24 @@ def train_params(**changes) -> train.TrainParams:
              validate_every=3, checkpoint_every_steps=2, checkpoint_every_minutes=0.0, keep_checkpoints=20)
     p.update(changes)
     return train.TrainParams(**p)
+
+
+def train_params_file(tmp_path: Path, **overrides) -> Path:
+    """A params.yaml of the quickstart preset for the train stage run as a command, with `overrides`."""
+    from pipeline.config import PARAMS_FILE
+    from pipeline.presets import apply_overrides, load_preset
+
+    path = tmp_path / "params.yaml"
+    path.write_text(PARAMS_FILE.read_text())
+    apply_overrides({**load_preset("quickstart"), "train.batch_tokens": 1500, "train.log_every": 5,
+                     "train.validate_every": 1000, "train.checkpoint_every_steps": 5, **overrides}, path)
+    return path
+
+
+def train_command(params: Path, encoded: Path, vocab_dir: Path, out: Path) -> list[str]:
+    return ["-m", "pipeline.stage", "train", "--params", str(params), "--encoded-dir", str(encoded),
+            "--vocab-dir", str(vocab_dir), "--checkpoint-dir", str(out / "ckpt"), "--plots-dir", str(out / "plots"),
+            "--metrics", str(out / "train.json")]
 
 
 def download_params(shared: Path, work: Path, **changes) -> download.DownloadParams:
@@ -183,3 +202,17 @@ def repo(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def flow_output(repo) -> str:
     return run_in(repo, sys.executable, "-m", "pipeline", "quickstart", *SMALL)
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory) -> Iterator[str]:
+    """A Prefect server of the module's own, on a free loopback port."""
+    from servers import free_port, serving
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    home = tmp_path_factory.mktemp("prefect-server")
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    with serving([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                 f"{url}/health", home, env, "the Prefect server"):
+        yield url

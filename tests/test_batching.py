@@ -68,6 +68,37 @@ def test_processes_get_equal_disjoint_shares(world):
     assert seen == list(range(len(SRC)))  # every pair exactly once per epoch, over all processes
 
 
+def _steps(samplers: list[BatchSampler], grad_accum: int, steps: int) -> list[list[list[int]]]:
+    """Each step's micro-batches over all processes, in the order of their global index a x W + r."""
+    return [[next(s).tolist() for _ in range(grad_accum) for s in samplers] for _ in range(steps)]
+
+
+def test_the_stream_is_global_so_a_run_resumes_on_another_split_of_the_step():
+    """2 processes x 1 micro-batch and 1 process x 2 take the same batches in the same steps, across
+    the end of an epoch, and the place saved by the one resumes the other."""
+    batches = token_batches(SRC, TGT, 500, seed=1)[0][:-1]
+    assert len(batches) % 2  # an odd number: the split into whole steps is the sampler's job
+    two = [BatchSampler(batches, seed=3, num_processes=2, rank=r, per_step=2) for r in range(2)]
+    one = BatchSampler(batches, seed=3, per_step=2)
+    steps = len(one) // 2 + 3
+    by_two = _steps(two, 1, steps)
+    assert by_two == _steps([one], 2, steps)
+    resumed = BatchSampler(batches, seed=3, per_step=2)
+    halfway = [BatchSampler(batches, seed=3, num_processes=2, rank=r, per_step=2) for r in range(2)]
+    head = _steps(halfway, 1, steps - 5)
+    resumed.load_state_dict(halfway[0].state_dict())
+    assert halfway[0].state_dict() == halfway[1].state_dict()
+    assert head + _steps([resumed], 2, 5) == by_two
+
+
+def test_a_sampler_state_out_of_its_epoch_is_refused_before_it_loads():
+    sampler = BatchSampler([np.arange(i, i + 2) for i in range(0, 20, 2)], seed=3, num_processes=2, rank=0)
+    for state in ({"epoch": 0, "batches": 11}, {"epoch": 0, "batches": 3}, {"epoch": -1, "batches": 0}, {}):
+        with pytest.raises(ValueError, match="not a place in an epoch of 10 batches shared by 2 processes"):
+            sampler.load_state_dict(state)
+    assert sampler.state_dict() == {"epoch": 0, "batches": 0}
+
+
 def test_collate_adds_eos_and_bos_and_pads():
     class Corpus:
         def src(self, i):

@@ -15,29 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CLEAN, TINY, train_params, wait_for
+from conftest import CLEAN, TINY, train_command, train_params, train_params_file, wait_for
 from stages import average, clean, decode, train, vocab
 from stages.io import EXIT_STOPPED, PipelineError, read_lines, write_manifest
 from stages.model_files import current_dir, list_checkpoints, read_checkpoint, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _params_file(tmp_path: Path, **overrides) -> Path:
-    from pipeline.config import PARAMS_FILE
-    from pipeline.presets import apply_overrides, load_preset
-
-    path = tmp_path / "params.yaml"
-    path.write_text(PARAMS_FILE.read_text())
-    apply_overrides({**load_preset("quickstart"), "train.batch_tokens": 1500, "train.log_every": 5,
-                     "train.validate_every": 1000, "train.checkpoint_every_steps": 5, **overrides}, path)
-    return path
-
-
-def _train_command(params: Path, encoded: Path, vocab_dir: Path, out: Path) -> list[str]:
-    return ["-m", "pipeline.stage", "train", "--params", str(params), "--encoded-dir", str(encoded),
-            "--vocab-dir", str(vocab_dir), "--checkpoint-dir", str(out / "ckpt"), "--plots-dir", str(out / "plots"),
-            "--metrics", str(out / "train.json")]
 
 
 def _saved(ckpt: Path) -> Path:
@@ -52,9 +35,9 @@ def _first_checkpoint(ckpt: Path) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
 def test_a_stop_signal_finishes_the_step_saves_it_and_exits_75(signum, encoded, vocab_dir, tmp_path):
-    params = _params_file(tmp_path, **{"train.max_steps": 100000})
+    params = train_params_file(tmp_path, **{"train.max_steps": 100000})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, *_train_command(params, encoded[0], vocab_dir, tmp_path)], env=env,
+    proc = subprocess.Popen([sys.executable, *train_command(params, encoded[0], vocab_dir, tmp_path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: _first_checkpoint(tmp_path / "ckpt"), 180, "the first checkpoint")
     proc.send_signal(signum)
@@ -73,8 +56,8 @@ def test_a_stop_signal_finishes_the_step_saves_it_and_exits_75(signum, encoded, 
     assert [r.info.status for r in runs] == ["KILLED"]
 
     # run again: it goes on from the saved step
-    again = _params_file(tmp_path, **{"train.max_steps": step + 2})
-    resumed = subprocess.run([sys.executable, *_train_command(again, encoded[0], vocab_dir, tmp_path)], env=env,
+    again = train_params_file(tmp_path, **{"train.max_steps": step + 2})
+    resumed = subprocess.run([sys.executable, *train_command(again, encoded[0], vocab_dir, tmp_path)], env=env,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout + resumed.stderr
     assert json.loads((tmp_path / "train.json").read_text())["steps"] == step + 2
@@ -83,10 +66,10 @@ def test_a_stop_signal_finishes_the_step_saves_it_and_exits_75(signum, encoded, 
 @pytest.mark.slow
 def test_processes_agree_on_the_step_at_which_they_stop(encoded, vocab_dir, tmp_path):
     """torchrun, two CPU processes; the signal reaches one of them only."""
-    params = _params_file(tmp_path, **{"train.max_steps": 100000})
+    params = train_params_file(tmp_path, **{"train.max_steps": 100000})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             *_train_command(params, encoded[0], vocab_dir, tmp_path)], env=env,
+                             *train_command(params, encoded[0], vocab_dir, tmp_path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: _first_checkpoint(tmp_path / "ckpt"), 240, "the first checkpoint")
     import psutil
@@ -100,7 +83,7 @@ def test_processes_agree_on_the_step_at_which_they_stop(encoded, vocab_dir, tmp_
     step = saved.parts["progress"]["step"]
     stops = [line for line in err.splitlines() if "stopped by SIGTERM after step" in line]
     assert len(stops) == 2 and all(f"after step {step}," in line for line in stops)  # both, at the saved step
-    assert len(saved.parts["rng"]) == 2
+    assert saved.parts["topology"] == {"processes": 2, "grad_accum": 1}
 
 
 def test_pairs_longer_than_the_models_positions_are_dropped_and_counted(encoded, vocab_dir, tmp_path):
@@ -157,10 +140,11 @@ def test_translations_never_contain_padding_or_bos_and_ignore_the_padding_row(av
     model = decode.load_translator(averaged[0], torch.device("cpu"))
     sp = vocab.load(vocab_dir)
     before = decode.translate(model, sp, lines, params)
-    with torch.no_grad():
-        model.embed.weight[vocab.PAD_ID] = 50 * model.embed.weight.abs().max()  # would win every step
-        model.embed.weight[vocab.BOS_ID] = model.embed.weight[vocab.PAD_ID]
+    with torch.no_grad():  # would win every step; and fills the source's padded positions, which are masked
+        model.embed.weight[vocab.PAD_ID] = 50 * model.embed.weight.abs().max()
     assert decode.translate(model, sp, lines, params) == before
+    with torch.no_grad():  # would win too (and changes the decoder's first input, so the translations)
+        model.embed.weight[vocab.BOS_ID] = model.embed.weight[vocab.PAD_ID]
     from transformer import IncrementalDecoder, beam_search
 
     src = torch.tensor([sp.encode(line)[:20] + [vocab.EOS_ID] for line in lines[:4] if len(sp.encode(line)) >= 20])
@@ -196,14 +180,14 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_stale_temporary_files_remove
     run(4)
     folder = current_dir(tmp_path / "c")
     newest = read_checkpoint(folder / "checkpoint-00000004.pt")
-    newest.parts["rng"][0]["cpu"] = torch.zeros(7, dtype=torch.uint8)  # not a generator's state
+    newest.parts["sampler"]["batches"] = -3  # not a place in the stream
     write_checkpoint(folder, newest)
     stale = folder / ".checkpoint-00000006.pt.k3j2_x.tmp"  # a save a kill cut short
     stale.write_bytes(b"half a checkpoint")
     capsys.readouterr()
     assert run(6)["steps"] == 6
     out = capsys.readouterr().out
-    assert "warning: skipping" in out and "checkpoint-00000004.pt: its random number generator state is damaged" in out
+    assert "warning: skipping" in out and "checkpoint-00000004.pt: its sampler state" in out
     assert "resumed from" in out and "checkpoint-00000002.pt at step 2" in out
     assert not stale.exists() and f"removed {stale}" in out
 

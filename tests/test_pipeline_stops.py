@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import copy_project, env_of, newest_runs, run_in, wait_for
+from servers import in_state, poll, prefect_call
 from pipeline import flow, tracking
 
 
@@ -85,49 +86,6 @@ def test_the_flow_stops_promptly_on_sigterm_and_its_stage_saves(flow_output, rep
     assert {kind: run.info.status for kind, run in newest.items()} == {"stage": "KILLED", "run_kind": "KILLED"}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
-    """A Prefect server of the tests' own, on a free loopback port."""
-    import urllib.request
-
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    home = tmp_path_factory.mktemp("prefect-server")
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                               "--port", str(port)], cwd=home, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        wait_for(lambda: _healthy(f"{url}/health", urllib.request), 120, "the Prefect server")
-        yield url
-    finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(timeout=30)
-
-
-def _api(url: str, work):
-    """Run `work(client)` (a coroutine function) against the Prefect server at `url`."""
-    import asyncio
-
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    async def run():
-        async with get_client() as client:
-            return await work(client)
-
-    with temporary_settings(updates={PREFECT_API_URL: url}):
-        return asyncio.run(run())
-
-
 @pytest.mark.slow
 def test_a_run_is_watchable_live_and_ends_crashed_when_stopped(flow_output, repo, prefect_api):
     """While the train stage works, the flow's log has its lines within seconds, without DVC's advice,
@@ -162,7 +120,7 @@ def test_a_run_is_watchable_live_and_ends_crashed_when_stopped(flow_output, repo
         return run, by_key, logs
 
     try:
-        run, artifacts, logs = wait_for(lambda: _api(prefect_api, progress), 300, "the train stage's progress")
+        run, artifacts, logs = wait_for(lambda: prefect_call(prefect_api, progress), 300, "the train stage's progress")
         bar = artifacts["train-progress"]
         assert 0 < bar.data < 100 and "of 400,000, loss" in bar.description
         messages = [log.message for log in logs]
@@ -189,7 +147,7 @@ def test_a_run_is_watchable_live_and_ends_crashed_when_stopped(flow_output, repo
         tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
         return flow_run.state_type.value, {t.name: t.state_type.value for t in tasks}
 
-    flow_state, task_states = _api(prefect_api, states)
+    flow_state, task_states = prefect_call(prefect_api, states)
     assert flow_state in ("CRASHED", "CANCELLED") and task_states["train"] in ("CRASHED", "CANCELLED")
     assert all(state == "COMPLETED" for name, state in task_states.items() if name != "train")
 
@@ -207,45 +165,18 @@ def test_the_served_deployment_starts_a_run_with_a_preset_and_overrides(tmp_path
 
         async def start_and_watch(client):
             name = f"{flow.pipeline.name}/{flow.DEPLOYMENT}"
-            deployment = await _poll(lambda: client.read_deployment_by_name(name), 90)
+            deployment = await poll(lambda: client.read_deployment_by_name(name), 90)
             run = await client.create_flow_run_from_deployment(
                 deployment.id, parameters={"presets": ["quickstart"], "overrides": {"train.max_steps": 7}})
-            running = await _poll(lambda: _in_state(client, run.id, ("RUNNING", "COMPLETED")), 120)
+            running = await poll(lambda: in_state(client, run.id, ("RUNNING", "COMPLETED")), 120)
             text = wait_for(lambda: "max_steps: 7" in (p := (root / "params.yaml").read_text()) and p, 60,
                             "params.yaml to change")
             await client.set_flow_run_state(run.id, Cancelling(), force=True)
             return running, text
 
-        running, text = _api(prefect_api, start_and_watch)
+        running, text = prefect_call(prefect_api, start_and_watch)
         assert running.parameters == {"presets": ["quickstart"], "overrides": {"train.max_steps": 7}}
         assert "d_model: 128" in text  # the quickstart preset, then the override, applied in the served tree
     finally:
         os.killpg(served.pid, signal.SIGKILL)  # with whatever it started (the run, its dvc and stage processes)
         served.wait(timeout=30)
-
-
-def _healthy(url: str, request) -> bool:
-    try:
-        return request.urlopen(url, timeout=2).status == 200
-    except OSError:
-        return False
-
-
-async def _poll(fetch, timeout: float):
-    import asyncio
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if result := await fetch():
-                return result
-        except Exception:  # noqa: BLE001 - not there yet (e.g. ObjectNotFound while serve registers)
-            pass
-        await asyncio.sleep(1)
-    raise AssertionError("timed out waiting on the Prefect server")
-
-
-async def _in_state(client, run_id, states):
-    run = await client.read_flow_run(run_id)
-    return run if run.state_type.value in states else None

@@ -1,0 +1,84 @@
+"""Training beyond one process, on 127.0.0.1 with gloo: two torchrun launchers joined by c10d
+rendezvous, as two nodes of one process each, train as one node of two processes does; a run of
+2 processes x 1 micro-batch a step resumes on 1 process x 2 and goes on with the same batches; a
+resumption that would change the micro-batches a step is refused, naming them."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, train_command, train_params_file
+from servers import free_port
+from stages.model_files import current_dir, read_checkpoint
+
+pytestmark = pytest.mark.slow
+STEPS = 3  # N: the reference trains 2N steps straight
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _train(launcher: list[str], out, encoded, vocab_dir, steps: int, grad_accum: int = 1) -> subprocess.Popen:
+    params = train_params_file(out, **{"train.max_steps": steps, "train.grad_accum": grad_accum,
+                                       "train.checkpoint_every_steps": STEPS, "train.log_every": 1})
+    return subprocess.Popen([*launcher, *train_command(params, encoded, vocab_dir, out)], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finished(*procs: subprocess.Popen) -> str:
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, output in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, output[-3000:]
+    return "".join(outputs)
+
+
+def _checkpoint(out, step: int):
+    return read_checkpoint(current_dir(out / "ckpt") / f"checkpoint-{step:08d}.pt").parts
+
+
+def _per_step(parts, key: str) -> list[float]:
+    return [row[key] for row in parts["progress"]["history"]]
+
+
+@pytest.fixture(scope="module")
+def one_node(encoded, vocab_dir, tmp_path_factory):
+    """2N steps on one node of two processes: the reference."""
+    out = tmp_path_factory.mktemp("one-node")
+    _finished(_train([*TORCHRUN, "--standalone", "--nproc_per_node", "2"], out, encoded[0], vocab_dir, 2 * STEPS))
+    return _checkpoint(out, 2 * STEPS)
+
+
+def test_two_nodes_of_one_process_train_as_one_node_of_two(one_node, encoded, vocab_dir, tmp_path):
+    """Each launcher is what one machine of a cluster runs (`--node-rank` is not needed: c10d numbers
+    the nodes as they join); they share the checkpoint folder as nodes share a filesystem."""
+    node = [*TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "two-nodes", "--local-addr", "127.0.0.1"]
+    output = _finished(*[_train(node, tmp_path, encoded[0], vocab_dir, 2 * STEPS) for _ in range(2)])
+    assert "resumed from" not in output
+    two = _checkpoint(tmp_path, 2 * STEPS)
+    assert two["topology"] == one_node["topology"] == {"processes": 2, "grad_accum": 1}
+    assert two["sampler"] == one_node["sampler"]
+    assert _per_step(two, "tgt_tokens_per_step") == _per_step(one_node, "tgt_tokens_per_step")  # the same batches
+    assert _per_step(two, "loss") == _per_step(one_node, "loss")
+    for name, weight in one_node["model"].items():
+        assert torch.equal(two["model"][name], weight), name  # bit for bit: the same sums in the same order
+
+
+def test_a_run_of_two_processes_resumes_on_one_with_twice_the_accumulation(one_node, encoded, vocab_dir, tmp_path):
+    """2 x 1 for N steps, then 1 x 2 for N more, against 2 x 1 for 2N: the same batches step by step,
+    and the weights equal within fp32 rounding (a sum over two processes' gradients, or accumulated in
+    one, rounds differently; Adam's updates carry that on: relative 1e-4, absolute 1e-6 after 2N steps)."""
+    _finished(_train([*TORCHRUN, "--standalone", "--nproc_per_node", "2"], tmp_path, encoded[0], vocab_dir, STEPS))
+    refused = _train([sys.executable], tmp_path, encoded[0], vocab_dir, 2 * STEPS)
+    said = refused.communicate(timeout=300)[0]
+    assert refused.returncode == 1
+    assert "2 processes x train.grad_accum 1 = 2 micro-batches a step; this one has 1 x 1 = 1" in said
+    output = _finished(_train([sys.executable], tmp_path, encoded[0], vocab_dir, 2 * STEPS, grad_accum=2))
+    assert f"at step {STEPS}" in output and "topology changed: the run was trained on 2 processes x 1" in output
+    resumed = _checkpoint(tmp_path, 2 * STEPS)
+    assert resumed["topology"] == {"processes": 1, "grad_accum": 2} and resumed["sampler"] == one_node["sampler"]
+    assert _per_step(resumed, "tgt_tokens_per_step") == _per_step(one_node, "tgt_tokens_per_step")
+    torch.testing.assert_close(_per_step(resumed, "loss"), _per_step(one_node, "loss"), rtol=1e-5, atol=0)
+    for name, weight in one_node["model"].items():
+        torch.testing.assert_close(resumed["model"][name], weight, rtol=1e-4, atol=1e-6, msg=name)
