@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="markdown and plots comparing the tracked runs with the paper")
     report.add_argument("--out", type=Path, default=Path("reports"))
     sub.add_parser("serve", help="serve the flow as a Prefect deployment (start runs from the Prefect UI)")
+    deploy = sub.add_parser("deploy", help="register the flow to a Prefect process work pool, for workers to run")
+    deploy.add_argument("--pool", required=True, help="the work pool (a process pool, made if missing)")
+    deploy.add_argument("--source", default=str(config.ROOT),
+                        help="where workers find the code: this checkout's folder (default) or a git URL")
     compare = sub.add_parser("compare", help="the experiments side by side: what each changed, its scores, its cost")
     compare.add_argument("--width", type=int, default=120, help="columns (default 120)")
     sub.add_parser("offline-plots", help="fetch vega once, so that `dvc plots show` works offline (make setup runs it)")
@@ -145,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
             from pipeline import flow
 
             flow.serve()
+        elif args.command == "deploy":
+            from pipeline import flow
+
+            name = flow.deploy(args.pool, args.source)
+            print(f"deployed {name} to the work pool {args.pool}: start a worker where the runs should go "
+                  f"(prefect worker start --pool {args.pool}), then a run from the UI or "
+                  f"`prefect deployment run '{name}' -p presets='[\"quickstart\"]'`")
         else:
             from pipeline import flow
 

@@ -6,7 +6,8 @@ skipped. The stages' output streams into the task's log, visible in the Prefect 
 download retries (networks fail; a training run that failed would fail again). A finished run
 leaves a markdown artifact with its scores and a link to its MLflow run, and registers the model.
 
-    python -m pipeline serve     # a deployment the Prefect UI can start, with presets and overrides
+    python -m pipeline serve                # a deployment the Prefect UI can start, served from here
+    python -m pipeline deploy --pool gpus   # a deployment of a work pool: a worker anywhere runs it
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from prefect.states import Failed, State
 
 from pipeline import config, dag, registry, tracking
 from pipeline import presets as presets_module  # the flow's parameter is named presets
-from stages.io import read_json
+from stages.io import PipelineError, read_json
 from stages.train_metrics import parse_progress
 
 METRICS_DIR = config.ROOT / dag.paths()["metrics"]
@@ -200,3 +201,29 @@ def serve() -> None:
     names = ", ".join(presets_module.preset_names())
     pipeline.serve(name=DEPLOYMENT, parameters={"presets": [], "overrides": {}},
                    description=f"The Transformer pipeline of dvc.yaml; presets: {names}")
+
+
+def deploy(pool: str, source: str) -> str:
+    """Register the flow as a deployment of the process work pool `pool` (made if missing), which any
+    `prefect worker start --pool <pool>` runs: from `source`, a folder the worker sees at that path (a
+    checkout on a shared filesystem), or a git URL it clones for each run. Returns its name."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import get_current_settings
+    from prefect.workers.process import ProcessWorker
+
+    if not get_current_settings().api.url:
+        raise PipelineError("deploy needs a Prefect server that outlives it: start one (prefect server start) and "
+                            "point PREFECT_API_URL at it (prefect config set PREFECT_API_URL=http://HOST:4200/api)")
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(pool)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=pool, type=ProcessWorker.type,
+                                                   base_job_template=ProcessWorker.get_default_base_job_template()))
+    names = ", ".join(presets_module.preset_names())
+    pipeline.from_source(source=source, entrypoint="pipeline/flow.py:pipeline").deploy(
+        name=DEPLOYMENT, work_pool_name=pool, parameters={"presets": [], "overrides": {}}, print_next_steps=False,
+        description=f"The Transformer pipeline of dvc.yaml, run by a worker of the pool {pool}; presets: {names}")
+    return f"{pipeline.name}/{DEPLOYMENT}"
