@@ -16,7 +16,9 @@ from stages.model_files import current_dir, read_checkpoint
 pytestmark = pytest.mark.slow
 STEPS = 3  # N: the reference trains 2N steps straight
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+# one thread a process, as torchrun sets for several processes a node but not for one: the thread
+# count changes how matrix products split their sums, and so their fp32 rounding
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def _train(launcher: list[str], out, encoded, vocab_dir, steps: int, grad_accum: int = 1) -> subprocess.Popen:
@@ -68,7 +70,8 @@ def test_two_nodes_of_one_process_train_as_one_node_of_two(one_node, encoded, vo
 def test_a_run_of_two_processes_resumes_on_one_with_twice_the_accumulation(one_node, encoded, vocab_dir, tmp_path):
     """2 x 1 for N steps, then 1 x 2 for N more, against 2 x 1 for 2N: the same batches step by step,
     and the weights equal within fp32 rounding (a sum over two processes' gradients, or accumulated in
-    one, rounds differently; Adam's updates carry that on: relative 1e-4, absolute 1e-6 after 2N steps)."""
+    one, rounds differently; Adam's updates carry that on: relative 1e-4, absolute 1e-6 after 2N
+    steps), but for the keys' biases, whose gradient is rounding noise."""
     _finished(_train([*TORCHRUN, "--standalone", "--nproc_per_node", "2"], tmp_path, encoded[0], vocab_dir, STEPS))
     refused = _train([sys.executable], tmp_path, encoded[0], vocab_dir, 2 * STEPS)
     said = refused.communicate(timeout=300)[0]
@@ -81,4 +84,6 @@ def test_a_run_of_two_processes_resumes_on_one_with_twice_the_accumulation(one_n
     assert _per_step(resumed, "tgt_tokens_per_step") == _per_step(one_node, "tgt_tokens_per_step")
     torch.testing.assert_close(_per_step(resumed, "loss"), _per_step(one_node, "loss"), rtol=1e-5, atol=0)
     for name, weight in one_node["model"].items():
+        if name.endswith("k_proj.bias"):  # its gradient is 0 (softmax ignores a shift common to all keys),
+            continue                      # so it holds rounding noise that Adam scales up to full-size steps
         torch.testing.assert_close(resumed["model"][name], weight, rtol=1e-4, atol=1e-6, msg=name)
