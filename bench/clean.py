@@ -26,21 +26,27 @@ PARAMS = clean.CleanParams(max_tokens=250, max_chars=2000, max_ratio=1.5, keep_c
                            normalize_punctuation=True, unicode_form="NFC", invalid_utf8="drop", workers=1)
 
 
+def sample_raw(raw: Path) -> dict[str, int]:
+    """The shared training samples as one raw training split (dev and test one line each) in `raw`;
+    returns the pairs of each sample."""
+    raw.mkdir()
+    counts = {}
+    for lang in ("en", "de"):
+        with open(raw / f"train.{lang}", "wb") as out:
+            for name, stem in SAMPLES.items():
+                data = (SHARED / "wmt14/train-sample" / f"{stem}.{lang}").read_bytes()
+                out.write(data)
+                counts[name] = data.count(b"\n")
+        for split in ("dev", "test"):
+            (raw / f"{split}.{lang}").write_text("x\n")
+    write_manifest(raw, "en", "de", {"train": sum(counts.values()), "dev": 1, "test": 1}, corpora=counts)
+    return counts
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "raw"
-        raw.mkdir()
-        counts = {}
-        for lang in ("en", "de"):
-            with open(raw / f"train.{lang}", "wb") as out:
-                for name, stem in SAMPLES.items():
-                    data = (SHARED / "wmt14/train-sample" / f"{stem}.{lang}").read_bytes()
-                    out.write(data)
-                    counts[name] = data.count(b"\n")
-            for split in ("dev", "test"):
-                (raw / f"{split}.{lang}").write_text("x\n")
-        pairs = sum(counts.values())
-        write_manifest(raw, "en", "de", {"train": pairs, "dev": 1, "test": 1}, corpora=counts)
+        pairs = sum(sample_raw(raw).values())
         print(f"{pairs} pairs of WMT14 training text, {os.cpu_count()} cores")
         rates = {}
         for workers in (1, os.cpu_count() or 1):
