@@ -247,17 +247,19 @@ class Trainer:
             break
         steps = gather_object([self.progress.step])
         if len(set(steps)) > 1:
-            raise PipelineError(f"the processes found different checkpoints in {checkpoint_dir} (steps {steps}, "
-                                f"by process): on several nodes it must be one folder they all read, on a shared "
-                                f"filesystem")
+            raise PipelineError(f"the processes found different checkpoints in {checkpoint_dir} (steps {steps}, by "
+                                f"process): on several nodes it must be one folder all read, on a shared filesystem")
 
     def _check(self, checkpoint: Checkpoint, checkpoint_dir: Path, path: Path) -> None:
         """Refuse another run's checkpoint; find damage before anything is loaded."""
         if checkpoint.fingerprint != self.fingerprint:
             changed = differences(checkpoint.fingerprint, self.fingerprint)
             if changed == [PER_STEP]:  # another split of the step, of another product
-                raise PipelineError(f"{checkpoint_dir} holds a run of "
-                                    f"{self.parts['topology'].refusal(checkpoint.parts['topology'])}")
+                try:
+                    refusal = self.parts["topology"].refusal(checkpoint.parts.get("topology"))
+                except ValueError as e:
+                    raise Damaged(str(e)) from None
+                raise PipelineError(f"{checkpoint_dir} holds a run of {refusal}")
             raise PipelineError(
                 f"{checkpoint_dir} holds a run of this setup with {', '.join(changed)} changed, which cannot be "
                 f"resumed so; move or delete that directory to start afresh")

@@ -51,12 +51,20 @@ class Topology:
 
     def refusal(self, saved: dict[str, int]) -> str:
         """Why a run split as `saved` cannot go on split as this one: the products differ."""
+        self.validate(saved)
         was, now = saved["processes"] * saved["grad_accum"], self.processes * self.grad_accum
         return (f"{saved['processes']} processes x train.grad_accum {saved['grad_accum']} = {was} micro-batches a "
                 f"step; this one has {self.processes} x {self.grad_accum} = {now}: resume it with processes x "
                 f"train.grad_accum = {was}, or move or delete that directory to start afresh")
 
+    def validate(self, state: Any) -> None:
+        """Refuse a split that is not one, before anything is loaded."""
+        if not (isinstance(state, dict) and state.keys() == {"processes", "grad_accum"}
+                and all(isinstance(n, int) and n >= 1 for n in state.values())):
+            raise ValueError(f"its topology {state!r} is not a number of processes and of micro-batches on each")
+
     def load_state_dict(self, state: dict[str, int]) -> None:
+        self.validate(state)
         if state != self.state_dict():
             self.say(f"topology changed: the run was trained on {state['processes']} processes x "
                      f"{state['grad_accum']} micro-batches a step and goes on on {self.processes} x {self.grad_accum}, "

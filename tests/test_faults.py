@@ -173,21 +173,23 @@ def test_eight_stages_starting_at_once_against_a_new_store_all_record_everything
     assert all(len(client.get_metric_history(r.info.run_id, "m")) == 10 for r in runs)
 
 
-def test_a_damaged_newest_checkpoint_is_skipped_and_stale_temporary_files_removed(encoded, vocab_dir, tmp_path,
-                                                                                  capsys):
+@pytest.mark.parametrize("part, damaged, said", [("sampler", {"epoch": 0, "batches": -3}, "its sampler state"),
+                                                 ("topology", {"processes": "1", "grad_accum": 1}, "its topology")])
+def test_a_damaged_newest_checkpoint_is_skipped_and_stale_temporary_files_removed(part, damaged, said, encoded,
+                                                                                  vocab_dir, tmp_path, capsys):
     run = lambda steps: train.run(TINY, train_params(max_steps=steps), encoded_dir=encoded[0],  # noqa: E731
                                   vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p")
     run(4)
     folder = current_dir(tmp_path / "c")
     newest = read_checkpoint(folder / "checkpoint-00000004.pt")
-    newest.parts["sampler"]["batches"] = -3  # not a place in the stream
+    newest.parts[part] = damaged  # not a place in the stream, not a split of a step
     write_checkpoint(folder, newest)
     stale = folder / ".checkpoint-00000006.pt.k3j2_x.tmp"  # a save a kill cut short
     stale.write_bytes(b"half a checkpoint")
     capsys.readouterr()
     assert run(6)["steps"] == 6
     out = capsys.readouterr().out
-    assert "warning: skipping" in out and "checkpoint-00000004.pt: its sampler state" in out
+    assert "warning: skipping" in out and f"checkpoint-00000004.pt: {said}" in out
     assert "resumed from" in out and "checkpoint-00000002.pt at step 2" in out
     assert not stale.exists() and f"removed {stale}" in out
 
