@@ -203,6 +203,9 @@ def serve() -> None:
                    description=f"The Transformer pipeline of dvc.yaml; presets: {names}")
 
 
+ENTRYPOINT_FILE = "pipeline/flow.py"  # where a worker finds the flow, inside the deployment's source
+
+
 def deploy(pool: str, source: str) -> str:
     """Register the flow as a deployment of the process work pool `pool` (made if missing), which any
     `prefect worker start --pool <pool>` runs: from `source`, a folder the worker sees at that path (a
@@ -213,6 +216,9 @@ def deploy(pool: str, source: str) -> str:
     from prefect.settings import get_current_settings
     from prefect.workers.process import ProcessWorker
 
+    if "://" not in source and not source.startswith("git@") and not (Path(source) / ENTRYPOINT_FILE).is_file():
+        raise PipelineError(f"deploy --source {source}: neither a git URL nor a checkout of this project "
+                            f"(no {ENTRYPOINT_FILE} there)")
     if not get_current_settings().api.url:
         raise PipelineError("deploy needs a Prefect server that outlives it: start one (prefect server start) and "
                             "point PREFECT_API_URL at it (prefect config set PREFECT_API_URL=http://HOST:4200/api)")
@@ -223,7 +229,7 @@ def deploy(pool: str, source: str) -> str:
             client.create_work_pool(WorkPoolCreate(name=pool, type=ProcessWorker.type,
                                                    base_job_template=ProcessWorker.get_default_base_job_template()))
     names = ", ".join(presets_module.preset_names())
-    pipeline.from_source(source=source, entrypoint="pipeline/flow.py:pipeline").deploy(
+    pipeline.from_source(source=source, entrypoint=f"{ENTRYPOINT_FILE}:pipeline").deploy(
         name=DEPLOYMENT, work_pool_name=pool, parameters={"presets": [], "overrides": {}}, print_next_steps=False,
         description=f"The Transformer pipeline of dvc.yaml, run by a worker of the pool {pool}; presets: {names}")
     return f"{pipeline.name}/{DEPLOYMENT}"

@@ -4,7 +4,10 @@ import subprocess
 import sys
 import time
 
-from pipeline import flow, tracking
+import pytest
+
+from pipeline import config, flow, tracking
+from stages.io import PipelineError
 from stages.train_metrics import parse_progress, progress_line
 
 STAGE = """
@@ -52,3 +55,14 @@ def test_the_progress_line_reads_back():
     assert line == "step 1400/100000: loss 2.062, 612,345 target tokens/s"
     assert parse_progress(line) == (1400, 100000, 2.062, 612345.0)
     assert parse_progress("train: 10%|#| 1400/100000") is None and parse_progress("step 3/4 done") is None
+
+
+def test_deploy_refuses_a_source_that_is_not_the_project_and_a_missing_server(tmp_path, monkeypatch):
+    """Both before anything is registered: a worker could not run either deployment."""
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # never reached: refused first
+    with pytest.raises(PipelineError, match=f"deploy --source {tmp_path}: neither a git URL nor a checkout"):
+        flow.deploy("team", str(tmp_path))
+    monkeypatch.delenv("PREFECT_API_URL")
+    monkeypatch.setenv("PREFECT_PROFILES_PATH", str(tmp_path / "profiles.toml"))  # no profile's URL either
+    with pytest.raises(PipelineError, match="deploy needs a Prefect server that outlives it"):
+        flow.deploy("team", str(config.ROOT))
