@@ -172,8 +172,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, not {args.repeats}")
+    if args.train_base is not None and args.train_base < 1:
+        ap.error(f"--train-base must be at least 1 step, not {args.train_base}")
+    if args.work and args.train_base is None:
+        ap.error("--work is where --train-base keeps its model: give --train-base too")
     with tempfile.TemporaryDirectory() as tmp:
-        if args.train_base:
+        if args.train_base is not None:
             args.model, args.vocab_dir = trained_base(args.work or Path(tmp), args.train_base)
         lines = args.source.read_text(encoding="utf-8").splitlines()[: args.limit or None]
         results = decode_all(args.model, args.vocab_dir, lines, args.beam, args.batch_tokens, ("fp32",), Path(tmp),
