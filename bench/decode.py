@@ -3,7 +3,7 @@ MarianMT `generate` and in CTranslate2, in one run.
 
     python -m bench.decode                                   # the pipeline's model on newstest2014
     python -m bench.decode --model M --vocab-dir V --source S --limit 500
-    python -m bench.decode --train-base 250 --work W --limit 500   # base size, trained here first: see below
+    python -m bench.decode --train-base N --work W --limit 500   # base size, trained here first: see below
 
 The model is exported with the export stage (so all three hold identical weights), then each system
 translates the same source lines with beam 4 on the same device, batched by length, sentences of
@@ -16,12 +16,17 @@ turn (this machine's speed drifts by 10-20% between runs), with the ratio of our
 many output lines are the same; a peer whose lines agree with ours on fewer than 95% gets no ratio.
 
 --train-base N measures at the paper's base size: the train stage trains Transformer base for N steps
-(1,500 target tokens each, the learning rate warming up over 600) on the shared Europarl sample (20k pairs) with an
+(1,500 target tokens each, the learning rate warming up over 600) on a shared corpus (--corpus:
+Multi30k's 29k captions, decoded on test2016, or 20k Europarl pairs, decoded on newstest2014) with an
 8,000-piece BPE vocabulary learned by the vocab stage, and its last checkpoint is decoded. Random
 weights would not do: such a model rarely ends a sentence, so each system stops at a different length
-limit and tokens/s would compare different work. The trained model is kept in --work and reused.
-It must train long enough to end its sentences: 250 steps (17 minutes on 2 CPU cores) leave the loss
-at 7.34 and every output at its length limit, so the bench gives no ratio; train more (on a GPU).
+limit and tokens/s would compare different work. The trained model is kept in --work/CORPUS and
+reused (a larger N goes on from it). It must train long enough to end its sentences, and on 2 CPU cores a few
+hundred steps are not: Europarl, 250 steps (17 min): loss 7.34, every output at its length limit;
+Multi30k, 300 steps (20 min): loss 6.45, 8 of the first 12 outputs at their limit ("Zwei Personen
+in....", the other 4 "Ein Mädchen Mädchen").
+The small Multi30k model (`pipeline run --preset multi30k`) needed about 1.2M target tokens to reach
+a loss of 4.6, which would be 800 of these steps; on a GPU, bench.gpu trains base at 25k tokens a step.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from pathlib import Path
 import torch
 
 from bench import SHARED
+from bench.gpu import CORPORA
 from stages import export, vocab
 from stages.decode import DecodeParams, length_batches, load_translator, translate
 from stages.devices import default_device
@@ -139,20 +145,21 @@ def report(results: list[Decoded]) -> list[str]:
     return rows
 
 
-def trained_base(work: Path, steps: int) -> tuple[Path, Path]:
-    """Transformer base trained `steps` steps by the train stage on the shared Europarl sample (fp32),
-    its vocabulary and corpus made by the vocab and encode stages (bench.gpu's preparation); a run
-    already in `work` is reused (the train stage resumes it, or finds it done)."""
+def trained_base(work: Path, steps: int, corpus: str) -> tuple[Path, Path]:
+    """Transformer base trained `steps` steps by the train stage on a shared corpus (fp32), its
+    vocabulary and encoded text made by the vocab and encode stages (bench.gpu's preparation); a run
+    already in `work`/`corpus` is reused (the train stage resumes it, or finds it done)."""
     from bench.gpu import Sizes, model_config, prepare, train_params
     from stages import train
     from stages.model_files import current_dir, list_checkpoints
 
-    sizes = Sizes(train_lines=20000, vocab_size=8000, batch_tokens=1500, models=("base",), warmup_steps=0,
+    sizes = Sizes(train_lines=30000, vocab_size=8000, batch_tokens=1500, models=("base",), warmup_steps=0,
                   timed_steps=0, curve_steps=steps, curve_log_every=25, decode_lines=3003, decode_precisions=("fp32",))
+    work = work / corpus
     if not (work / "encoded").is_dir():
-        prepare(sizes, work)
+        prepare(sizes, work, corpus)
     params = train_params(sizes, max_steps=steps, precision="fp32", warmup_steps=600, log_every=25,
-                          checkpoint_every_steps=steps)
+                          checkpoint_every_steps=min(steps, 100))  # a stopped run goes on from its last hundred
     train.run(model_config("base"), params, encoded_dir=work / "encoded", vocab_dir=work / "vocab",
               checkpoint_dir=work / "checkpoints", plots_dir=work / "plots")
     return list_checkpoints(current_dir(work / "checkpoints"))[-1][1], work / "vocab"
@@ -162,13 +169,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=Path("models/averaged.safetensors"))
     ap.add_argument("--vocab-dir", type=Path, default=Path("data/vocab"))
-    ap.add_argument("--source", type=Path, default=NEWSTEST)
+    ap.add_argument("--source", type=Path, help="source lines to translate (default: newstest2014, or with "
+                    "--train-base the test set of --corpus)")
     ap.add_argument("--limit", type=int, default=0, help="first N lines only (0: all)")
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--batch-tokens", type=int, default=8000)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each system, taken in turn; the best counts")
     ap.add_argument("--train-base", type=int, metavar="STEPS", help="train Transformer base this many steps first")
     ap.add_argument("--work", type=Path, help="where --train-base keeps its model (default: a temporary folder)")
+    ap.add_argument("--corpus", choices=sorted(CORPORA), default="multi30k", help="what --train-base trains on")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, not {args.repeats}")
@@ -178,7 +187,9 @@ def main() -> None:
         ap.error("--work is where --train-base keeps its model: give --train-base too")
     with tempfile.TemporaryDirectory() as tmp:
         if args.train_base is not None:
-            args.model, args.vocab_dir = trained_base(args.work or Path(tmp), args.train_base)
+            args.model, args.vocab_dir = trained_base(args.work or Path(tmp), args.train_base, args.corpus)
+            args.source = args.source or Path(CORPORA[args.corpus]["test"]["en"])
+        args.source = args.source or NEWSTEST
         lines = args.source.read_text(encoding="utf-8").splitlines()[: args.limit or None]
         results = decode_all(args.model, args.vocab_dir, lines, args.beam, args.batch_tokens, ("fp32",), Path(tmp),
                              args.repeats)

@@ -39,6 +39,14 @@ from bench import SHARED
 SAMPLE = SHARED / "wmt14/train-sample/hf-europarl-20k/train"
 NEWSTEST2013 = SHARED / "wmt14/newstest2013/newstest2013"
 NEWSTEST = SHARED / "wmt14/newstest2014-full/newstest2014-deen"
+MULTI30K = SHARED / "multi30k"
+# corpus -> split -> language -> file: what `prepare` reads (the first lines of each, as Sizes says)
+CORPORA = {"europarl": {"train": {"en": f"{SAMPLE}.en", "de": f"{SAMPLE}.de"},
+                        "dev": {"en": f"{NEWSTEST2013}.en", "de": f"{NEWSTEST2013}.de"},
+                        "test": {"en": f"{NEWSTEST}-src.en.txt", "de": f"{NEWSTEST}-ref.de.txt"}},
+           "multi30k": {"train": {"en": f"{MULTI30K}/train.en", "de": f"{MULTI30K}/train.de"},
+                        "dev": {"en": f"{MULTI30K}/val.en", "de": f"{MULTI30K}/val.de"},
+                        "test": {"en": f"{MULTI30K}/test_2016_flickr.en", "de": f"{MULTI30K}/test_2016_flickr.de"}}}
 OUT_OF_MEMORY = 3  # a part's exit status when the GPU ran out of memory
 ORCHESTRATION = ("mlflow", "prefect", "dvc")
 
@@ -83,20 +91,18 @@ def train_params(sizes: Sizes, **changes):
 
 # -- the parts, each in its own process ---------------------------------------------------------------
 
-def prepare(sizes: Sizes, work: Path) -> dict[str, Any]:
+def prepare(sizes: Sizes, work: Path, corpus: str = "europarl") -> dict[str, Any]:
     """Text, vocabulary and encoded corpus, by the pipeline's own vocab and encode stages."""
     from stages import encode, vocab
     from stages.io import write_manifest
 
     text = work / "text"
     text.mkdir(parents=True)
-    sources = {"train": ({"en": f"{SAMPLE}.en", "de": f"{SAMPLE}.de"}, sizes.train_lines),
-               "dev": ({"en": f"{NEWSTEST2013}.en", "de": f"{NEWSTEST2013}.de"}, 500),
-               "test": ({"en": f"{NEWSTEST}-src.en.txt", "de": f"{NEWSTEST}-ref.de.txt"}, sizes.decode_lines)}
+    limits = {"train": sizes.train_lines, "dev": 500, "test": sizes.decode_lines}
     counts = {}
-    for split, (paths, limit) in sources.items():
+    for split, paths in CORPORA[corpus].items():
         for lang, path in paths.items():
-            lines = Path(path).read_text(encoding="utf-8").splitlines()[:limit]
+            lines = Path(path).read_text(encoding="utf-8").splitlines()[: limits[split]]
             (text / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
             counts[split] = len(lines)
     write_manifest(text, "en", "de", counts)
