@@ -19,6 +19,7 @@ from conftest import CLEAN, TINY, train_command, train_params, train_params_file
 from stages import average, clean, decode, train, vocab
 from stages.io import EXIT_STOPPED, PipelineError, read_lines, write_manifest
 from stages.model_files import current_dir, list_checkpoints, read_checkpoint, write_checkpoint
+from stages.train_state import StopRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,9 +33,24 @@ def _first_checkpoint(ckpt: Path) -> bool:
     return (ckpt / "current.json").exists() and (current_dir(ckpt) / "checkpoint-00000005.pt").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
-def test_a_stop_signal_finishes_the_step_saves_it_and_exits_75(signum, encoded, vocab_dir, tmp_path):
+def test_each_stop_signal_asks_for_a_stop_and_a_second_ctrl_c_stops_at_once(signum):
+    """The three signals a scheduler or a terminal sends: the first asks (the step in progress goes
+    on), a second Ctrl-C raises at once, and the handlers before are back afterwards."""
+    before = signal.getsignal(signum)
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signum)
+        assert stop.signum == signum
+        if signum == signal.SIGINT:
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signum) == before
+
+
+@pytest.mark.slow
+def test_a_stop_signal_finishes_the_step_saves_it_and_exits_75(encoded, vocab_dir, tmp_path):
+    """SIGTERM through the command line: the others share its handler (the test above)."""
+    signum = signal.SIGTERM
     params = train_params_file(tmp_path, **{"train.max_steps": 100000})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, *train_command(params, encoded[0], vocab_dir, tmp_path)], env=env,
