@@ -195,7 +195,7 @@ def newest_runs(repo: Path) -> dict:
 @pytest.fixture(scope="session")
 def repo(tmp_path_factory) -> Path:
     """One copy for the slow modules, which run in name order: test_pipeline (a first quickstart and
-    what it leaves), test_pipeline_experiments, test_pipeline_services, test_pipeline_stops."""
+    what it leaves), test_pipeline_experiments, test_pipeline_stops."""
     return copy_project(tmp_path_factory)
 
 

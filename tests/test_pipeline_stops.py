@@ -1,5 +1,4 @@
-"""Stopping and watching a run, in the copy the quickstart ran in (after the other pipeline modules,
-as it leaves runs stopped):
+"""Stopping and watching a run, in the copy the quickstart ran in (after the other pipeline modules):
 `dvc repro` and the Prefect flow stop promptly on a signal and the train stage saves its step; a
 flow's progress and logs can be watched live through a Prefect server; a served deployment starts a
 run with a preset and overrides."""

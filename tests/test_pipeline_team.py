@@ -1,6 +1,5 @@
 """A team's shared services, each on a free 127.0.0.1 port and torn down after, around the pipeline
-in the slow tier's copy of the repository (after test_pipeline_experiments, whose last run it finds
-complete, and before test_pipeline_stops, whose stopped runs it would have to finish):
+in the slow tier's copy of the repository (this module runs after the other test_pipeline ones):
 a DVC remote (pushed after a run; a second clone pulls, and `dvc repro` runs nothing), an MLflow
 tracking server (a run's parent and nested runs, metrics, artifacts and registered model land
 there), and a Prefect work pool (a run started through the API with parameters completes on a
