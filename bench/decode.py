@@ -178,7 +178,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each system, taken in turn; the best counts")
     ap.add_argument("--train-base", type=int, metavar="STEPS", help="train Transformer base this many steps first")
     ap.add_argument("--work", type=Path, help="where --train-base keeps its model (default: a temporary folder)")
-    ap.add_argument("--corpus", choices=sorted(CORPORA), default="multi30k", help="what --train-base trains on")
+    ap.add_argument("--corpus", choices=sorted(CORPORA), help="what --train-base trains on (default: multi30k)")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, not {args.repeats}")
@@ -186,6 +186,9 @@ def main() -> None:
         ap.error(f"--train-base must be at least 1 step, not {args.train_base}")
     if args.work and args.train_base is None:
         ap.error("--work is where --train-base keeps its model: give --train-base too")
+    if args.corpus and args.train_base is None:
+        ap.error("--corpus is what --train-base trains on: give --train-base too")
+    args.corpus = args.corpus or "multi30k"
     with tempfile.TemporaryDirectory() as tmp:
         if args.train_base is not None:
             args.model, args.vocab_dir = trained_base(args.work or Path(tmp), args.train_base, args.corpus)
