@@ -97,7 +97,7 @@ def prepare(sizes: Sizes, work: Path, corpus: str = "europarl") -> dict[str, Any
     from stages.io import write_manifest
 
     text = work / "text"
-    text.mkdir(parents=True)
+    text.mkdir(parents=True, exist_ok=True)  # a preparation cut short is done again
     limits = {"train": sizes.train_lines, "dev": 500, "test": sizes.decode_lines}
     counts = {}
     for split, paths in CORPORA[corpus].items():
