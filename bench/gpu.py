@@ -82,7 +82,7 @@ def model_config(name: str):
 def train_params(sizes: Sizes, **changes):
     from stages.train import TrainParams
 
-    values = dict(max_steps=10**9, batch_tokens=sizes.batch_tokens, grad_accum=1, warmup_steps=4000,
+    values = dict(max_steps=10**9, batch_tokens=sizes.batch_tokens, grad_accum=1, warmup_steps=4000, lr_scale=1.0,
                   adam_betas=(0.9, 0.98), adam_eps=1e-9, label_smoothing=0.1, clip_norm=0.0, precision="bf16",
                   compile=False, seed=1, log_every=10**9, validate_every=10**9, checkpoint_every_steps=0,
                   checkpoint_every_minutes=0.0, keep_checkpoints=1)

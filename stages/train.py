@@ -46,6 +46,7 @@ class TrainParams:
     batch_tokens: int  # per side per optimizer step, over all processes and accumulation steps
     grad_accum: int  # micro-batches per optimizer step on each process
     warmup_steps: int
+    lr_scale: float  # times the paper's rate; 1: the paper. Smaller batches want less: see params.yaml
     adam_betas: tuple[float, float]
     adam_eps: float
     label_smoothing: float
@@ -66,6 +67,7 @@ class TrainParams:
             check(getattr(self, key) >= 0, key, f"must be 0 or more, not {getattr(self, key)}")
         check(all(0 <= b < 1 for b in self.adam_betas), "adam_betas", f"must be in [0, 1), not {self.adam_betas}")
         check(self.adam_eps > 0, "adam_eps", f"must be positive, not {self.adam_eps}")
+        check(self.lr_scale > 0, "lr_scale", f"must be positive, not {self.lr_scale}")
         check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), not {self.label_smoothing}")
 
 
@@ -112,9 +114,9 @@ class Trainer:
         self.peak = peak_flops(accelerator.device, accelerator.mixed_precision)
         optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=params.adam_betas, eps=params.adam_eps,
                                      fused=True)
-        # LambdaLR scales lr=1.0 by the paper's rate; its counter is the number of steps taken so far.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda done: inverse_sqrt_rate(done + 1, model_config.d_model, params.warmup_steps))
+        # LambdaLR scales lr=1.0 by lr_scale times the paper's rate; its counter is the number of steps taken so far.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: params.lr_scale * inverse_sqrt_rate(
+            done + 1, model_config.d_model, params.warmup_steps))
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         if params.compile:  # after DDP wraps it, as torch recommends; lengths vary every step: dynamic shapes
             self.model = torch.compile(self.model, dynamic=True)

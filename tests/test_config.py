@@ -149,6 +149,7 @@ BAD_VALUES = [
     ("model", "  d_ff: 2048", "  d_ff: 0", "model.d_ff: must be at least 1"),
     ("train", "  batch_tokens: 25000", "  batch_tokens: 0", "train.batch_tokens: must be at least 1"),
     ("train", "  warmup_steps: 4000", "  warmup_steps: 0", "train.warmup_steps: must be at least 1"),
+    ("train", "  lr_scale: 1.0", "  lr_scale: 0.0", "train.lr_scale: must be positive"),
     ("train", "  adam_betas: [0.9, 0.98]", "  adam_betas: [0.9, 1.0]", "train.adam_betas: must be in"),
     ("train", "  keep_checkpoints: 20", "  keep_checkpoints: 3", "train.keep_checkpoints: 3 would delete checkpoints "
                                                                r"that average.last \(5\) averages"),

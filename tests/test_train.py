@@ -16,7 +16,7 @@ from stages.io import PipelineError
 from stages.model_files import current_dir, list_checkpoints, read_checkpoint, setup_dir, write_checkpoint
 from stages.train_metrics import MetricsWindow, Progress, summary, write_curves
 from stages.train_state import CheckpointSchedule
-from transformer import TransformerConfig
+from transformer import TransformerConfig, inverse_sqrt_rate
 
 
 def test_train_writes_checkpoints_curves_and_finite_metrics(trained, work):
@@ -53,6 +53,18 @@ def test_resume_equals_uninterrupted(encoded, vocab_dir, tmp_path):
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=0)
     assert a["sampler"] == b["sampler"]
+
+
+def test_each_step_takes_the_papers_rate_times_lr_scale(trained, encoded, vocab_dir, tmp_path):
+    def rates(checkpoint_dir):
+        newest = list_checkpoints(checkpoint_dir)[-1][1]
+        return {r["step"]: r["lr"] for r in read_checkpoint(newest).parts["progress"]["history"]}
+
+    paper = {s: inverse_sqrt_rate(s, TINY.d_model, 4) for s in (2, 4, 6)}  # the rows logged every 2 steps
+    assert rates(trained[0]) == pytest.approx(paper)  # lr_scale 1: section 5.3 as it stands
+    train.run(TINY, train_params(lr_scale=0.25), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+              checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p")
+    assert rates(current_dir(tmp_path / "c")) == pytest.approx({s: 0.25 * r for s, r in paper.items()})
 
 
 def test_a_changed_setup_trains_beside_the_other_and_going_back_retrains_nothing(encoded, vocab_dir, tmp_path,
