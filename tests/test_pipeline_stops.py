@@ -1,4 +1,5 @@
-"""Stopping and watching a run, in the copy the quickstart ran in (after the other pipeline modules):
+"""Stopping and watching a run, in the copy the quickstart ran in (after test_pipeline and
+test_pipeline_experiments; test_pipeline_team, last, finishes the runs this module leaves stopped):
 `dvc repro` and the Prefect flow stop promptly on a signal and the train stage saves its step; a
 flow's progress and logs can be watched live through a Prefect server; a served deployment starts a
 run with a preset and overrides."""
