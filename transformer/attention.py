@@ -75,8 +75,9 @@ class MultiHeadAttention(nn.Module):
         k, v = self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))
         if isinstance(cache, GrowingKVCache):  # self-attention: append
             return cache.append(k, v)
-        if cache is not None:
-            cache.k, cache.v = k, v
+        if cache is not None:  # contiguous, so that each step's products read them without a copy
+            cache.k, cache.v = k.contiguous(), v.contiguous()
+            return cache.k, cache.v
         return k, v
 
     def forward(
@@ -105,14 +106,15 @@ class MultiHeadAttention(nn.Module):
         beams = n // b
         if beams > 1:  # the beams of a sentence ask one source together: (B, n_heads, beams * Tq, d_k)
             q = q.view(b, beams, self.n_heads, tq, -1).transpose(1, 2).reshape(b, self.n_heads, beams * tq, -1)
-        mask = None
-        if key_padding_mask is not None:
-            mask = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, Tk): True = may attend
-        if cache is not None and not static_memory:
-            # Decoding: one new query per row, which sees only the past. Two batched products are about
-            # twice as fast as the fused kernel on CPUs at this shape.
-            y = torch.softmax(q @ k.transpose(-1, -2) * self.d_k**-0.5, dim=-1) @ v
+        if cache is not None:
+            # Decoding: one new query per row (the self-attention's sees only the past, so it needs no
+            # mask). Two batched products are about twice as fast as the fused kernel on CPUs at this shape.
+            scores = q @ k.transpose(-1, -2) * self.d_k**-0.5  # (B, n_heads, beams * Tq, Tk)
+            if key_padding_mask is not None:
+                scores.masked_fill_(key_padding_mask[:, None, None, :], float("-inf"))
+            y = torch.softmax(scores, dim=-1) @ v
         else:
+            mask = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]  # True = may attend
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
             )  # (B, n_heads, beams * Tq, d_v)
