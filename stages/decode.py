@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from stages import vocab
 from stages.batching import pad
-from stages.devices import default_device
+from stages.devices import default_device, use_fast_attention
 from stages.io import InputPath, OutputPath, atomic_write, check, read_lines, read_manifest, require_dir, split_path
 from stages.model_files import read_model
 from transformer import IncrementalDecoder, Transformer, beam_search
@@ -41,6 +41,8 @@ def load_translator(model_path: str | Path, device: torch.device) -> Transformer
     weights, meta = read_model(model_path)
     model = Transformer(meta.config, meta.vocab_size, vocab.PAD_ID)
     model.load_state_dict(weights)
+    if device.type == "cuda":
+        use_fast_attention()
     return model.to(device).eval()
 
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from stages import vocab
 from stages.batching import collate, token_batches
-from stages.devices import default_device, mixed_precision, peak_flops
+from stages.devices import default_device, mixed_precision, peak_flops, use_fast_attention
 from stages.encode import ParallelIds
 from stages.io import InputPath, OutputPath, PipelineError, Stopped, check, require_dir
 from stages.model_files import Checkpoint, ModelMeta, checkpoint_path, list_checkpoints, make_current, \
@@ -108,6 +108,8 @@ class Trainer:
         self.n_parameters = sum(p.numel() for p in model.parameters())
         self.meta = ModelMeta(model_config, model.vocab_size, steps=())
         on_gpu = accelerator.device.type == "cuda"
+        if on_gpu:
+            use_fast_attention()
         self.inputs = StepInputs(corpus, model_config, model.vocab_size, params.grad_accum, rank,
                                  pad_multiple=8 if on_gpu else 1, pin=on_gpu)
         self.stream: StepStream | None = None  # started at the first step, after any resume
