@@ -124,7 +124,8 @@ def to_ctranslate2(marian_dir: str | Path, out_dir: str | Path, quantization: st
 
     class Converter(ctranslate2.converters.Converter):
         def _load(self):
-            with torch.no_grad():
+            # CTranslate2 reads the weights' bytes from host memory: on the CPU whatever torch's default device
+            with torch.no_grad(), torch.device("cpu"):
                 model = MarianMTModel.from_pretrained(marian_dir)
                 return Loader()(model, MarianTokenizer.from_pretrained(marian_dir))
 
