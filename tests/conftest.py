@@ -18,6 +18,10 @@ from stages.model_files import current_dir
 from transformer import TransformerConfig
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+if device := os.environ.get("TEST_DEVICE"):  # TEST_DEVICE=cuda: models and tensors made in tests go to that device
+    import torch
+
+    torch.set_default_device(device)
 
 TRAIN_LINES = 3000  # of each shared training sample, to keep the suite fast
 CLEAN = clean.CleanParams(max_tokens=80, max_chars=1000, max_ratio=1.5, keep_copies=False, drop_duplicates=True,

@@ -12,6 +12,7 @@ import torch
 from conftest import TINY, train_params
 from stages import train
 from stages.batching import BatchSampler
+from stages.devices import default_device
 from stages.io import PipelineError
 from stages.model_files import current_dir, list_checkpoints, read_checkpoint, setup_dir, write_checkpoint
 from stages.train_metrics import MetricsWindow, Progress, summary, write_curves
@@ -86,12 +87,17 @@ def test_a_changed_setup_trains_beside_the_other_and_going_back_retrains_nothing
     assert back["loss"] == first["loss"] and {p.name: p.stat().st_mtime_ns for p in first_dir.glob("*.pt")} == files
 
 
-def _trainer(encoded_dir, vocab_dir, **changes):
+def _accelerator():
+    """On the device train.run picks (a GPU where there is one): one process has one Accelerate state."""
     from accelerate import Accelerator
 
+    return Accelerator(cpu=default_device().type == "cpu")
+
+
+def _trainer(encoded_dir, vocab_dir, **changes):
     config = TransformerConfig(**{**TINY.__dict__, "dropout": 0.0})
     return train.Trainer(config, train_params(**changes), encoded_dir=encoded_dir, vocab_dir=vocab_dir,
-                         accelerator=Accelerator(cpu=True))
+                         accelerator=_accelerator())
 
 
 def _gradients_of_one_step(trainer, batches):
@@ -225,12 +231,10 @@ def test_averaging_takes_the_step_spaced_checkpoints_not_the_snapshots_between_t
 def test_a_run_resumed_from_a_snapshot_equals_one_never_stopped(encoded, vocab_dir, tmp_path, capsys):
     """The prefetcher has batches of later steps ready when the snapshot is taken: they must not count
     as consumed. fp32, so the weights must agree to the bit."""
-    from accelerate import Accelerator
-
     params = train_params(max_steps=7, checkpoint_every_steps=0, grad_accum=2)
     straight = train.run(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "a",
                          plots_dir=tmp_path / "plots")
-    killed = train.Trainer(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, accelerator=Accelerator(cpu=True))
+    killed = train.Trainer(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, accelerator=_accelerator())
     for _ in range(3):
         killed.train_step()
     killed.save(setup_dir(tmp_path / "b", killed.setup), snapshot=True)  # then the process dies
@@ -278,7 +282,8 @@ def test_a_step_waits_on_the_device_only_for_its_one_agreement(encoded, vocab_di
 
 def test_batches_are_padded_to_a_multiple_of_eight_on_a_gpu_only(encoded, vocab_dir):
     trainer = _trainer(encoded[0], vocab_dir)
-    assert trainer.inputs.pad_multiple == 1 and not trainer.inputs.pin  # on this CPU padding would only add work
+    on_gpu = default_device().type == "cuda"  # on a CPU padding would only add work
+    assert trainer.inputs.pad_multiple == (8 if on_gpu else 1) and trainer.inputs.pin == on_gpu
     prepared = dataclasses.replace(trainer.inputs, pad_multiple=8).prepare(trainer.sampler.copy())
     for src, tgt_in, tgt_out in prepared.micro:
         assert src.size(1) % 8 == 0 and tgt_in.size(1) % 8 == 0 and tgt_in.shape == tgt_out.shape
