@@ -76,6 +76,29 @@ def _flow_style(value: Any) -> Any:
     return node
 
 
+def _set(data: dict[str, Any], key: str, value: Any, path: Path) -> None:
+    """data[a][b] = value for the dotted key 'a.b', which must already be there."""
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(f"{path}: override {key}: unknown key")
+        node = node[part]
+    if not isinstance(node, dict) or leaf not in node:
+        raise ConfigError(f"{path}: override {key}: unknown key")
+    node[leaf] = value
+
+
+def layered(overrides: dict[str, Any], path: str | Path = PARAMS_FILE) -> Params:
+    """params.yaml with `overrides` layered on, in memory and nothing written: for the stages run
+    outside the pipeline (bench.gpu), where DVC's YAML library may not be installed."""
+    path = Path(path)
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    for key, value in overrides.items():
+        _set(data, key, value, path)
+    return parse_params(yaml.safe_dump(data), f"{path} (with overrides {', '.join(overrides)})")
+
+
 def apply_overrides(overrides: dict[str, Any], path: str | Path = PARAMS_FILE) -> Params:
     """Set dotted keys in params.yaml, keeping its comments, after checking the result is valid."""
     from ruamel.yaml import YAML  # DVC's own YAML library, which keeps comments
@@ -85,15 +108,7 @@ def apply_overrides(overrides: dict[str, Any], path: str | Path = PARAMS_FILE) -
     rt.preserve_quotes = True
     data = rt.load(path.read_text(encoding="utf-8"))
     for key, value in overrides.items():
-        *parents, leaf = key.split(".")
-        node = data
-        for part in parents:
-            if not isinstance(node, dict) or part not in node:
-                raise ConfigError(f"{path}: override {key}: unknown key")
-            node = node[part]
-        if not isinstance(node, dict) or leaf not in node:
-            raise ConfigError(f"{path}: override {key}: unknown key")
-        node[leaf] = _flow_style(value)
+        _set(data, key, _flow_style(value), path)
     buffer = io.StringIO()
     rt.dump(data, buffer)
     params = parse_params(buffer.getvalue(), f"{path} (with overrides {', '.join(overrides)})")

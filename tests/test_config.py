@@ -8,7 +8,7 @@ import yaml
 
 from pipeline import config
 from pipeline.config import ConfigError, Params, load_params, parse_params
-from pipeline.presets import apply_overrides, dvc_set_args, load_preset, preset_names, table3_rows
+from pipeline.presets import apply_overrides, dvc_set_args, layered, load_preset, preset_names, table3_rows
 
 BASE = config.PARAMS_FILE.read_text(encoding="utf-8")
 
@@ -89,6 +89,18 @@ def test_every_preset_applies_cleanly(tmp_path):
             for part in key.split("."):
                 got = getattr(got, part)
             assert config._plain(got) == value
+
+
+def test_presets_layered_in_memory_equal_those_written_into_params_yaml(tmp_path):
+    path = tmp_path / "params.yaml"
+    for names in (["multi30k", "multi30k-gpu"], ["big"], ["quickstart"]):
+        path.write_text(BASE, encoding="utf-8")
+        overrides = {k: v for n in names for k, v in load_preset(n).items()}
+        assert layered(overrides, path) == apply_overrides(overrides, path), names
+    with pytest.raises(ConfigError, match="train.max_stpes: unknown key"):
+        layered({"train.max_stpes": 7}, path)
+    with pytest.raises(ConfigError, match="train.max_steps: expected an integer"):
+        layered({"train.max_steps": "many"}, path)
 
 
 def test_big_preset_is_the_papers_big_model(tmp_path):
