@@ -34,6 +34,8 @@ systems' length limits differ (see README, "Speed"). On a GPU, bench.gpu trains 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -77,60 +79,87 @@ def _timed(work: Callable[[], list[str]]) -> tuple[float, list[str]]:
 
 
 def decode_all(model_path: Path, vocab_dir: Path, lines: list[str], beam: int, batch_tokens: int,
-               precisions: tuple[str, ...], tmp: Path, repeats: int = 1) -> list[Decoded]:
+               precisions: tuple[str, ...], tmp: Path, repeats: int = 1) -> tuple[list[Decoded], dict[str, str]]:
     """Every system at every precision on the same lines: ours (the decode stage), transformers
-    MarianMT generate and CTranslate2, from the same weights."""
-    import ctranslate2
+    MarianMT generate and CTranslate2, from the same weights. Also returns, by system and precision,
+    why a peer could not run here (CTranslate2's wheel is built for one CUDA major version)."""
     from transformers import MarianMTModel, MarianTokenizer
 
     device = default_device()
     sp = vocab.load(vocab_dir)
-    batches = length_batches([len(ids) for ids in sp.encode(lines)], batch_tokens)
     marian_dir = export.to_marian(model_path, vocab_dir, tmp / "marian")
     params = DecodeParams(beam_size=beam, length_penalty=0.6, length_penalty_formula="power", stop="finished",
                           max_length_extra=50, batch_tokens=batch_tokens)
     tokenizer = MarianTokenizer.from_pretrained(marian_dir)
-    results = []
+
+    def batches(some: list[str]) -> list[list[int]]:
+        return length_batches([len(ids) for ids in sp.encode(some)], batch_tokens)
+
+    results, unavailable = [], {}
     for precision in precisions:
         ours = load_translator(model_path, device).to(DTYPES[precision])
-        translate(ours, sp, lines[:8], params, desc="warm-up")
         hf = MarianMTModel.from_pretrained(marian_dir).to(device=device, dtype=DTYPES[precision]).eval()
 
-        def generate() -> list[str]:
-            out = [""] * len(lines)
+        def generate(some: list[str]) -> list[str]:
+            out = [""] * len(some)
             with torch.inference_mode():
-                for batch in batches:
-                    inputs = tokenizer([lines[i] for i in batch], return_tensors="pt", padding=True).to(device)
+                for batch in batches(some):
+                    inputs = tokenizer([some[i] for i in batch], return_tensors="pt", padding=True).to(device)
                     ids = hf.generate(**inputs, num_beams=beam, length_penalty=0.6, do_sample=False,
                                       early_stopping=True, max_new_tokens=inputs["input_ids"].size(1) + 50)
                     for i, text in zip(batch, tokenizer.batch_decode(ids, skip_special_tokens=True), strict=True):
                         out[i] = text
             return out
 
-        ct2_dir = export.to_ctranslate2(marian_dir, tmp / f"ct2-{precision}")
-        translator = ctranslate2.Translator(str(ct2_dir), device=device.type, compute_type=CT2_TYPES[precision],
+        systems = {"ours (decode stage)": lambda some: translate(ours, sp, some, params, "ours"),
+                   "transformers MarianMT generate": generate}
+        ct2 = _ctranslate2(export.to_ctranslate2(marian_dir, tmp / f"ct2-{precision}"), sp, beam, batches,
+                           device, precision)
+        if isinstance(ct2, str):
+            unavailable[f"CTranslate2 {precision}"] = ct2
+        else:
+            systems["CTranslate2"] = ct2
+        for work in systems.values():  # warm-up: first calls, kernels chosen, caches filled
+            work(lines[:8])
+        best, outputs = dict.fromkeys(systems, float("inf")), {}
+        for _ in range(repeats):  # in turn, so a slow spell of the machine does not fall on one system only
+            for name, work in systems.items():
+                seconds, outputs[name] = _timed(lambda: work(lines))
+                best[name] = min(best[name], seconds)
+        results += [Decoded(name, precision, best[name], sum(len(ids) for ids in sp.encode(outputs[name])),
+                            outputs[name]) for name in systems]
+    return results, unavailable
+
+
+def _ctranslate2(model_dir: Path, sp, beam: int, batches: Callable[[list[str]], list[list[int]]],
+                 device: torch.device, precision: str) -> Callable[[list[str]], list[str]] | str:
+    """CTranslate2's translation of a list of lines, or why it cannot run on this device."""
+    import ctranslate2
+
+    if device.type == "cuda":  # its CUDA libraries load at the first translation, and a missing one can abort
+        probe = subprocess.run([sys.executable, "-c", f"import ctranslate2; ctranslate2.Translator({str(model_dir)!r}, "
+                                f"device='cuda', compute_type={CT2_TYPES[precision]!r}).translate_batch([['a']])"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0:
+            return (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+    try:
+        translator = ctranslate2.Translator(str(model_dir), device=device.type, compute_type=CT2_TYPES[precision],
                                             intra_threads=torch.get_num_threads())
 
-        def ct2() -> list[str]:
-            out = [""] * len(lines)
-            for batch in batches:
-                source = [sp.encode(lines[i], out_type=str) + ["</s>"] for i in batch]
+        def ct2(some: list[str]) -> list[str]:
+            out = [""] * len(some)
+            for batch in batches(some):
+                source = [sp.encode(some[i], out_type=str) + ["</s>"] for i in batch]
                 found = translator.translate_batch(source, beam_size=beam, length_penalty=0.6,
                                                    max_decoding_length=max(map(len, source)) + 50)
                 for i, result in zip(batch, found, strict=True):
                     out[i] = sp.decode(result.hypotheses[0])
             return out
 
-        systems = {"ours (decode stage)": lambda: translate(ours, sp, lines, params, "ours"),
-                   "transformers MarianMT generate": generate, "CTranslate2": ct2}
-        best, outputs = dict.fromkeys(systems, float("inf")), {}
-        for _ in range(repeats):  # in turn, so a slow spell of the machine does not fall on one system only
-            for name, work in systems.items():
-                seconds, outputs[name] = _timed(work)
-                best[name] = min(best[name], seconds)
-        results += [Decoded(name, precision, best[name], sum(len(ids) for ids in sp.encode(outputs[name])),
-                            outputs[name]) for name in systems]
-    return results
+        ct2(["a"])  # loads the device's libraries (cuBLAS of the CUDA version it was built for)
+    except (RuntimeError, OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ct2
 
 
 AGREEMENT = 0.95  # the share of identical output lines below which two speeds are not compared
@@ -178,10 +207,14 @@ def main() -> None:
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--batch-tokens", type=int, default=8000)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each system, taken in turn; the best counts")
+    ap.add_argument("--precisions", type=lambda text: tuple(text.split(",")), default=("fp32",),
+                    help=f"comma-separated, of {', '.join(DTYPES)} (bf16 and fp16 for GPUs)")
     ap.add_argument("--train-base", type=int, metavar="STEPS", help="train Transformer base this many steps first")
     ap.add_argument("--work", type=Path, help="where --train-base keeps its model (default: a temporary folder)")
     ap.add_argument("--corpus", choices=sorted(CORPORA), help="what --train-base trains on (default: multi30k)")
     args = ap.parse_args()
+    if unknown := set(args.precisions) - set(DTYPES):
+        ap.error(f"--precisions: unknown {', '.join(sorted(unknown))} (known: {', '.join(DTYPES)})")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, not {args.repeats}")
     if args.train_base is not None and args.train_base < 1:
@@ -197,11 +230,13 @@ def main() -> None:
             args.source = args.source or Path(CORPORA[args.corpus]["test"]["en"])
         args.source = args.source or NEWSTEST
         lines = args.source.read_text(encoding="utf-8").splitlines()[: args.limit or None]
-        results = decode_all(args.model, args.vocab_dir, lines, args.beam, args.batch_tokens, ("fp32",), Path(tmp),
-                             args.repeats)
+        results, unavailable = decode_all(args.model, args.vocab_dir, lines, args.beam, args.batch_tokens,
+                                          args.precisions, Path(tmp), args.repeats)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
     print(f"{len(lines)} sentences of {args.source.name}, beam {args.beam}, {where}")
     print("\n".join(report(results)))
+    for system, why in unavailable.items():
+        print(f"{system}: not measured ({why})")
 
 
 if __name__ == "__main__":
