@@ -1,26 +1,39 @@
-"""Everything measured on a GPU, by one command: training throughput against MarianMT, bf16 against
-fp32, and beam-search decoding against transformers and CTranslate2. It writes one JSON and prints
-(and writes beside it, as markdown) a readable table.
+"""Everything measured on a GPU, by one command: training throughput against MarianMT, a profile
+of one step, bf16 against fp32, beam-search decoding against transformers and CTranslate2, and the
+Multi30k GPU preset end to end. It writes one JSON (after every part, so a run cut short keeps what
+it measured) and prints (and writes beside it, as markdown) a readable table.
 
-    python -m bench.gpu --out gpu.json     # on a GPU machine: under 9 minutes on an H100
-    python -m bench.gpu --smoke            # tiny sizes, on a CPU too, end to end (CI runs it)
+    python -m bench.gpu --out gpu.json                       # on a GPU machine: every part
+    python -m bench.gpu --parts throughput,profile,curves    # some parts only
+    python -m bench.gpu --smoke                              # tiny sizes, on a CPU too, end to end (CI runs it)
 
 1. Data: the shared WMT14 Europarl sample (20k pairs) with a BPE vocabulary learned on it by the vocab
    stage (37k pieces, the paper's size; 800 with --smoke) and encoded by the encode stage.
-2. Training throughput, Transformer base and big, bf16, the paper's 25k-token step (with gradient
+2. throughput: Transformer base and big, bf16, the paper's 25k-token step (with gradient
    accumulation only when a step does not fit): the train stage's own step (`Trainer.train_step`:
-   prefetched batches, fused loss, no host syncs) against MarianMT of the same shape and precision on
-   the same batches with the same optimizer. Target tokens/s, model TFLOP/s, MFU, peak memory.
-3. bf16 against fp32: 200 steps of base through the train stage on the same batches; the two loss
-   curves must agree (the largest relative difference is reported).
-4. Decoding: newstest2014 (3003 sentences), beam 4, with the base weights trained in 3: ours,
-   transformers `generate` and CTranslate2, in fp32 and bf16, with the share of identical outputs and
-   our BLEU.
+   prefetched batches, fused loss, no host syncs) against MarianMT of the same shape and precision
+   on the same batches with the same optimizer. Target tokens/s, model TFLOP/s, MFU, peak memory.
+3. profile: torch.profiler over steps of base: the operators taking the most GPU time, and the
+   kernels' time per step against a step's time without the profiler (how busy the GPU is).
+4. curves: bf16 against fp32, 200 steps of base through the train stage on the same batches; the two
+   loss curves must agree (the largest relative difference is reported).
+5. decode: base trained here for a short while (1,000 steps of 25k tokens in bf16, at the paper's
+   peak rate), then newstest2014 (3003 sentences), beam 4: ours, transformers `generate` and
+   CTranslate2, in fp32 and bf16, with the share of identical outputs and our BLEU. (CTranslate2's
+   wheel is built for CUDA 12; where only CUDA 13's cuBLAS is installed it is reported as not run.)
+6. multi30k: the pipeline's stages in DAG order (download from the shared copy, clean, vocab, encode,
+   train, average, decode, score) with the presets multi30k and multi30k-gpu: the time of each and
+   test2016 BLEU.
+
+On an H100 (README, "Speed"): throughput and profile took 1.9 minutes, curves 2 more; decode and
+multi30k ran past their 5-minute limits before cuDNN's attention was switched off and have not run
+since.
 
 Each measurement runs in a process of its own (a fresh Accelerate state and a clean peak-memory
-count); one that runs out of memory is retried with twice the accumulation. It needs torch,
-accelerate, transformers, sentencepiece, sacrebleu, safetensors and ctranslate2, and never imports
-MLflow, Prefect or DVC (each part checks).
+count); one that runs out of memory is retried with twice the accumulation, one that runs past
+--part-timeout is reported so and the rest go on. It needs torch, accelerate, transformers,
+sentencepiece, sacremoses, sacrebleu, safetensors and ctranslate2, and never imports MLflow, Prefect
+or DVC (each part checks).
 """
 from __future__ import annotations
 
@@ -63,10 +76,18 @@ class Sizes:
     curve_log_every: int
     decode_lines: int
     decode_precisions: tuple[str, ...]
+    decode_train_steps: int  # of the weights decoded, at the paper's rate peaking at the last step
+    multi30k: dict[str, Any]  # overrides after the presets multi30k and multi30k-gpu
+    multi30k_lines: int | None  # of each Multi30k file (None: all)
 
 
-FULL = Sizes(20000, 37000, 25000, ("base", "big"), 3, 10, 200, 10, 3003, ("fp32", "bf16"))
-SMOKE = Sizes(2000, 800, 1200, ("tiny",), 1, 2, 12, 3, 16, ("fp32",))
+FULL = Sizes(20000, 37000, 25000, ("base", "big"), 3, 10, 200, 10, 3003, ("fp32", "bf16"), 1000, {}, None)
+SMOKE = Sizes(2000, 800, 1200, ("tiny",), 1, 2, 12, 3, 16, ("fp32",), 12,
+              {"model.d_model": 64, "model.n_heads": 4, "model.d_ff": 128, "model.encoder_layers": 2,
+               "model.decoder_layers": 2, "vocab.vocab_size": 800, "train.batch_tokens": 1200, "train.max_steps": 4,
+               "train.checkpoint_every_steps": 2, "train.validate_every": 2, "average.last": 2,
+               "decode.max_length_extra": 5}, 1000)
+PARTS = ("throughput", "profile", "curves", "decode", "multi30k")
 MODELS = {"base": dict(d_model=512, n_heads=8, d_ff=2048, encoder_layers=6, decoder_layers=6, dropout=0.1),
           "big": dict(d_model=1024, n_heads=16, d_ff=4096, encoder_layers=6, decoder_layers=6, dropout=0.3),
           "tiny": dict(d_model=64, n_heads=4, d_ff=128, encoder_layers=2, decoder_layers=2, dropout=0.1)}
@@ -117,9 +138,11 @@ def throughput(sizes: Sizes, work: Path, model: str, system: str, accum: int) ->
     """Timed optimizer steps of ours (the train stage's step) or of MarianMT on the same batches."""
     import torch
 
-    from stages.devices import default_device, peak_flops
+    from stages.devices import default_device, peak_flops, use_fast_attention
 
     device = default_device()
+    if device.type == "cuda":
+        use_fast_attention()  # for MarianMT too, which also calls scaled_dot_product_attention
     step, parameters, close = (_ours if system == "ours" else _marian)(sizes, work, model_config(model), accum)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -151,8 +174,8 @@ def _ours(sizes: Sizes, work: Path, config, accum: int):
     from stages import train
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16")
-    trainer = train.Trainer(config, train_params(sizes, grad_accum=accum), encoded_dir=work / "encoded",
-                            vocab_dir=work / "vocab", accelerator=accelerator)
+    trainer = train.Trainer(config, train_params(sizes, grad_accum=accum),
+                            encoded_dir=work / "encoded", vocab_dir=work / "vocab", accelerator=accelerator)
     return trainer.train_step, trainer.n_parameters, trainer.close
 
 
@@ -208,25 +231,118 @@ def curve(sizes: Sizes, work: Path, precision: str) -> dict[str, Any]:
             "steps": [r["step"] for r in history], "loss": [r["loss"] for r in history]}
 
 
+def profile(sizes: Sizes, work: Path) -> dict[str, Any]:
+    """torch.profiler over a few of the train stage's steps of base (tiny with --smoke): where the
+    GPU's time goes, and whether it waits on the host: the kernels' time per step against the time of
+    a step measured without the profiler (whose start-up, under it, takes seconds)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    name = "tiny" if "tiny" in sizes.models else "base"
+    step, _, close = _ours(sizes, work, model_config(name), 1)
+    on_gpu = torch.cuda.is_available()
+    steps = 3
+
+    def run_steps() -> float:
+        if on_gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if on_gpu:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for _ in range(sizes.warmup_steps):
+        step()
+    wall = run_steps()
+    with profiler(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]) as prof:
+        run_steps()
+    close()
+    events = prof.key_averages()
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6 / steps if on_gpu else None  # as the table's total
+    return {"model": name, "steps": steps, "step_seconds": wall / steps, "kernel_seconds_per_step": busy,
+            "table": events.table(sort_by=key, row_limit=20, max_name_column_width=60)}
+
+
 def decode(sizes: Sizes, work: Path) -> dict[str, Any]:
-    """The bf16-trained weights (fp32 with --smoke) decoded by every system at every precision."""
+    """Base (tiny with --smoke) trained by the train stage in bf16 until it ends sentences as a trained
+    model does, then decoded by every system at every precision."""
     import sacrebleu
 
     from bench.decode import decode_all, report
+    from stages import train
     from stages.model_files import current_dir, list_checkpoints
 
-    trained = "fp32" if sizes.decode_precisions == ("fp32",) else "bf16"
-    model_path = list_checkpoints(current_dir(work / f"checkpoints-{trained}"))[-1][1]
+    name = "tiny" if "tiny" in sizes.models else "base"
+    steps = sizes.decode_train_steps
+    # The paper's rate, its warm-up shortened to the run, halved so that its peak is the paper's peak.
+    params = train_params(sizes, max_steps=steps, warmup_steps=steps, lr_scale=(steps / 4000) ** 0.5,
+                          log_every=max(steps // 10, 1))
+    trained = train.run(model_config(name), params, encoded_dir=work / "encoded", vocab_dir=work / "vocab",
+                        checkpoint_dir=work / "checkpoints-decode", plots_dir=work / "plots-decode")
+    model_path = list_checkpoints(current_dir(work / "checkpoints-decode"))[-1][1]
     lines = (work / "text/test.en").read_text(encoding="utf-8").splitlines()
     refs = (work / "text/test.de").read_text(encoding="utf-8").splitlines()
     with tempfile.TemporaryDirectory(dir=work) as tmp:
-        results = decode_all(model_path, work / "vocab", lines, 4, 8000, sizes.decode_precisions, Path(tmp))
+        results, unavailable = decode_all(model_path, work / "vocab", lines, 4, 8000, sizes.decode_precisions,
+                                          Path(tmp))
     ours = {r.precision: r for r in results if r.system.startswith("ours")}
-    return {"sentences": len(lines), "weights": f"{trained}-trained, {model_path.name}", "table": report(results),
+    return {"sentences": len(lines), "weights": f"{name}, {steps} steps of bf16 training (loss "
+                                                f"{trained['loss']:.2f})", "table": report(results),
+            "unavailable": unavailable,
             "systems": [{"system": r.system, "precision": r.precision, "tgt_tokens_per_sec": r.rate,
                          "seconds": r.seconds, "tokens": r.tokens,
                          "same_as_ours": sum(a == b for a, b in zip(ours[r.precision].lines, r.lines, strict=True))
                          / len(lines), "bleu": sacrebleu.corpus_bleu(r.lines, [refs]).score} for r in results]}
+
+
+def multi30k(sizes: Sizes, work: Path) -> dict[str, Any]:
+    """The pipeline's stages, in dvc.yaml's order, with the presets multi30k and multi30k-gpu, on the
+    shared Multi30k copy (the download stage's local source): each stage's time and the BLEU."""
+    from pipeline.presets import collect_overrides, layered
+    from stages import average, clean, download, encode, score, train, vocab
+    from stages import decode as decode_stage
+
+    source = work / "multi30k-source"
+    source.mkdir(parents=True, exist_ok=True)
+    files = {"train": "train", "dev": "val", "test": "test_2016_flickr"}
+    for stem in files.values():
+        for lang in ("en", "de"):
+            lines = (MULTI30K / f"{stem}.{lang}").read_text(encoding="utf-8").splitlines()
+            (source / f"{stem}.{lang}").write_text("\n".join(lines[: sizes.multi30k_lines]) + "\n", encoding="utf-8")
+    overrides = collect_overrides(["multi30k", "multi30k-gpu"], [])
+    overrides.update({"download.source": "local", "download.local.dir": str(source),
+                      **{f"download.local.{split}": {"src": f"{stem}.en", "tgt": f"{stem}.de"}
+                         for split, stem in files.items()},
+                      "download.local.train": [{"src": "train.en", "tgt": "train.de"}], **sizes.multi30k})
+    params = layered(overrides)
+    out = work / "multi30k"
+    paths = {name: out / name for name in ("raw", "clean", "vocab", "encoded", "checkpoints", "plots", "hyps")}
+    model = out / "averaged.safetensors"
+    stages = {
+        "download": lambda: download.run(params.download, out_dir=paths["raw"]),
+        "clean": lambda: clean.run(params.clean, raw_dir=paths["raw"], out_dir=paths["clean"]),
+        "vocab": lambda: vocab.run(params.vocab, clean_dir=paths["clean"], out_dir=paths["vocab"]),
+        "encode": lambda: encode.run(clean_dir=paths["clean"], vocab_dir=paths["vocab"], out_dir=paths["encoded"]),
+        "train": lambda: train.run(params.model, params.train, encoded_dir=paths["encoded"], vocab_dir=paths["vocab"],
+                                   checkpoint_dir=paths["checkpoints"], plots_dir=paths["plots"]),
+        "average": lambda: average.run(params.average, checkpoint_dir=paths["checkpoints"], out_path=model),
+        "decode": lambda: decode_stage.run(params.decode, model_path=model, vocab_dir=paths["vocab"],
+                                           clean_dir=paths["clean"], out_dir=paths["hyps"]),
+        "score": lambda: score.run(params.score, hyp_dir=paths["hyps"], ref_dir=paths["raw"]),
+    }
+    seconds, metrics = {}, {}
+    for name, run in stages.items():
+        start = time.perf_counter()
+        metrics[name] = run()
+        seconds[name] = time.perf_counter() - start
+        print(f"multi30k: {name} done in {seconds[name]:.0f} s", flush=True)
+    return {"seconds": seconds, "total_seconds": sum(seconds.values()), "steps": params.train.max_steps,
+            "train": metrics["train"], "bleu": {split: metrics["score"][split]["bleu"] for split in ("dev", "test")}}
 
 
 def run_part(sizes: Sizes, work: Path, part: str, accum: int) -> dict[str, Any]:
@@ -238,8 +354,12 @@ def run_part(sizes: Sizes, work: Path, part: str, accum: int) -> dict[str, Any]:
             result = prepare(sizes, work)
         elif kind == "throughput":
             result = throughput(sizes, work, args[0], args[1], accum)
+        elif kind == "profile":
+            result = profile(sizes, work)
         elif kind == "curve":
             result = curve(sizes, work, args[0])
+        elif kind == "multi30k":
+            result = multi30k(sizes, work)
         else:
             result = decode(sizes, work)
     except torch.cuda.OutOfMemoryError:
@@ -252,81 +372,148 @@ def run_part(sizes: Sizes, work: Path, part: str, accum: int) -> dict[str, Any]:
 # -- the whole run ------------------------------------------------------------------------------------
 
 def spawn(part: str, args: argparse.Namespace, work: Path, accum: int = 1) -> dict[str, Any]:
-    """Run one part in a fresh process; on running out of memory, again with twice the accumulation."""
+    """Run one part in a fresh process; on running out of memory, again with twice the accumulation.
+    A part that fails or runs past --part-timeout gives {"error": why}, and the run goes on."""
     out = work / f"{part.replace(':', '-')}.json"
     command = [sys.executable, "-m", "bench.gpu", "--part", part, "--work", str(work), "--accum", str(accum),
                "--part-out", str(out), *(["--smoke"] if args.smoke else [])]
     start = time.perf_counter()
-    proc = subprocess.run(command)
+    print(f"== {part}", flush=True)
+    try:
+        proc = subprocess.run(command, timeout=args.part_timeout or None)
+    except subprocess.TimeoutExpired:
+        return {"error": f"ran past --part-timeout ({args.part_timeout:.0f} s)"}
     if proc.returncode == OUT_OF_MEMORY and accum < 16:
         print(f"{part}: out of memory with accumulation {accum}; again with {accum * 2}", flush=True)
         return spawn(part, args, work, accum * 2)
     if proc.returncode != 0:
-        raise SystemExit(f"bench.gpu: part {part} failed (exit status {proc.returncode})")
+        return {"error": f"failed (exit status {proc.returncode}; its output above)"}
     result = json.loads(out.read_text())
     result["wall_seconds"] = time.perf_counter() - start
+    print(f"{part}: {result['wall_seconds']:.0f} s", flush=True)
     return result
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = [f"# bench.gpu on {results['device']}{' (smoke sizes)' if results['smoke'] else ''}", "",
-             f"Training, bf16, {results['batch_tokens']} target tokens a step "
-             "(the train stage's step against MarianMT of the same shape, on the same batches):", "",
-             "| model | system | accumulation | target tokens/s | TFLOP/s | MFU | peak memory (GB) |",
-             "|---|---|---|---|---|---|---|"]
-    for r in results["throughput"]:
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        memory = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
-        lines.append(f"| {r['model']} | {r['system']} | {r['grad_accum']} | {r['tgt_tokens_per_sec']:,.0f} | "
-                     f"{r['tflops']:.3g} | {mfu} | {memory} |")
-    for model, ratio in results["ours_over_marian"].items():
-        lines.append(f"\nours / MarianMT, {model}: {ratio:.2f}x")
-    c = results["curves"]
-    lines += ["", f"bf16 against fp32, {c['model']}, {c['steps']} steps: loss curves agree within "
+    """The markdown report of whichever parts ran."""
+    lines = [f"# bench.gpu on {results['device']}{' (smoke sizes)' if results['smoke'] else ''}", ""]
+    errors = [f"- {name}: {why}" for name, why in results.get("errors", {}).items()]
+    if errors:
+        lines += ["Parts that did not finish:", *errors, ""]
+    if throughput := results.get("throughput"):
+        lines += [f"Training, bf16, {results['batch_tokens']} target tokens a step (the train stage's step "
+                  "against MarianMT of the same shape, on the same batches):", "",
+                  "| model | system | accumulation | target tokens/s | TFLOP/s | MFU | peak memory (GB) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in throughput:
+            mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+            memory = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
+            lines.append(f"| {r['model']} | {r['system']} | {r['grad_accum']} | {r['tgt_tokens_per_sec']:,.0f} | "
+                         f"{r['tflops']:.3g} | {mfu} | {memory} |")
+        lines += [f"\nours / MarianMT, {m}: {ratio:.2f}x" for m, ratio in results["ours_over_marian"].items()]
+        lines.append("")
+    if r := results.get("profile"):
+        busy = r["kernel_seconds_per_step"]
+        busy = f", its kernels {busy:.3f} s (the GPU busy {busy / r['step_seconds']:.0%})" if busy is not None else ""
+        lines += [f"Profile, {r['model']}: a step takes {r['step_seconds']:.3f} s without the profiler{busy}; "
+                  f"{r['steps']} steps under it:", "", "```", r["table"], "```", ""]
+    if c := results.get("curves"):
+        lines += [f"bf16 against fp32, {c['model']}, {c['steps']} steps: loss curves agree within "
                   f"{c['max_relative_difference']:.3%} (limit {c['limit']:.0%}): {'yes' if c['agree'] else 'NO'}; "
-                  f"final loss fp32 {c['final']['fp32']:.3f}, bf16 {c['final']['bf16']:.3f}", "",
-              f"Decoding, beam 4, {results['decode']['sentences']} sentences of newstest2014, "
-              f"{results['decode']['weights']}:", "", *results["decode"]["table"]]
-    return "\n".join(lines) + "\n"
+                  f"final loss fp32 {c['final']['fp32']:.3f}, bf16 {c['final']['bf16']:.3f}", ""]
+    if d := results.get("decode"):
+        lines += [f"Decoding, beam 4, {d['sentences']} sentences of newstest2014, weights: {d['weights']}:", "",
+                  *d["table"], *[f"{system}: not measured ({why})" for system, why in d["unavailable"].items()],
+                  *[f"BLEU of {s['system']} {s['precision']}: {s['bleu']:.1f}" for s in d["systems"]], ""]
+    if m := results.get("multi30k"):
+        times = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in m["seconds"].items())
+        lines += [f"Multi30k, presets multi30k + multi30k-gpu ({m['steps']} steps): test2016 BLEU "
+                  f"{m['bleu']['test']:.1f} (dev {m['bleu']['dev']:.1f}) in {m['total_seconds'] / 60:.1f} minutes: "
+                  f"{times}", ""]
+    return "\n".join(lines)
+
+
+def write(path: Path, text: str) -> None:
+    from stages.io import atomic_write
+
+    with atomic_write(path) as f:
+        f.write(text)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, for a CPU")
     ap.add_argument("--out", type=Path, default=Path("gpu-bench.json"), help="the JSON; the table goes beside (.md)")
+    ap.add_argument("--parts", type=lambda text: text.split(","), default=list(PARTS),
+                    help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
+    ap.add_argument("--part-timeout", type=float, default=0.0,
+                    help="seconds each measurement may take before it is stopped and reported so (0: no limit)")
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
     ap.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--accum", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if unknown := set(args.parts) - set(PARTS):
+        ap.error(f"--parts: unknown {', '.join(sorted(unknown))} (known: {', '.join(PARTS)})")
     sizes = SMOKE if args.smoke else FULL
     if args.part:
-        args.part_out.write_text(json.dumps(run_part(sizes, args.work, args.part, args.accum)))
+        write(args.part_out, json.dumps(run_part(sizes, args.work, args.part, args.accum)))
         return
     import torch
 
     start = time.perf_counter()
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                               "smoke": args.smoke, "batch_tokens": sizes.batch_tokens, "torch": torch.__version__,
+                               "errors": {}}
+
+    def measured(key: str, part: str) -> dict[str, Any] | None:
+        """A part's result, or None with its error recorded; the JSON rewritten either way."""
+        result = spawn(part, args, work)
+        if "error" in result:
+            results["errors"][part] = result["error"]
+        write(args.out, json.dumps(results, indent=2) + "\n")
+        return None if "error" in result else result
+
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         work = Path(tmp)
-        results: dict[str, Any] = {
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "smoke": args.smoke,
-            "batch_tokens": sizes.batch_tokens, "torch": torch.__version__, "prepare": spawn("prepare", args, work)}
-        results["throughput"] = [spawn(f"throughput:{m}:{system}", args, work)
-                                 for m in sizes.models for system in ("ours", "marian")]
-        rate = {(r["model"], r["system"]): r["tgt_tokens_per_sec"] for r in results["throughput"]}
-        results["ours_over_marian"] = {m: rate[m, "ours"] / rate[m, "marian"] for m in sizes.models}
-        curves = {p: spawn(f"curve:{p}", args, work) for p in ("fp32", "bf16")}
-        differences = [abs(a - b) / a for a, b in zip(curves["fp32"]["loss"], curves["bf16"]["loss"], strict=True)]
-        results["curves"] = {"model": curves["fp32"]["model"], "steps": sizes.curve_steps, "runs": curves,
-                             "max_relative_difference": max(differences), "limit": 0.03,
-                             "agree": max(differences) <= 0.03,
-                             "final": {p: c["loss"][-1] for p, c in curves.items()}}
-        results["decode"] = spawn("decode", args, work)
+        if set(args.parts) - {"multi30k"}:  # every other part reads the prepared Europarl sample
+            results["prepare"] = measured("prepare", "prepare")
+            if results["prepare"] is None:
+                raise SystemExit(f"bench.gpu: preparing the data failed: {results['errors']['prepare']}")
+        if "throughput" in args.parts:
+            results["throughput"], results["ours_over_marian"] = [], {}
+            for m in sizes.models:
+                for system in ("ours", "marian"):
+                    if r := measured("throughput", f"throughput:{m}:{system}"):
+                        results["throughput"].append(r)
+                        print(f"{m} {system}: {r['tgt_tokens_per_sec']:,.0f} target tokens/s, {r['tflops']:.3g} "
+                              f"TFLOP/s, MFU {r['mfu']}, peak {r['peak_memory_gb']} GB", flush=True)
+                rate = {r["system"]: r["tgt_tokens_per_sec"] for r in results["throughput"] if r["model"] == m}
+                if len(rate) == 2:
+                    results["ours_over_marian"][m] = rate["ours"] / rate["marian"]
+        if "profile" in args.parts and (r := measured("profile", "profile")):
+            results["profile"] = r
+            print(r["table"], flush=True)
+        if "curves" in args.parts:
+            curves = {p: measured("curves", f"curve:{p}") for p in ("fp32", "bf16")}
+            if all(curves.values()):
+                differences = [abs(a - b) / a for a, b in zip(curves["fp32"]["loss"], curves["bf16"]["loss"],
+                                                                strict=True)]
+                results["curves"] = {"model": curves["fp32"]["model"], "steps": sizes.curve_steps, "runs": curves,
+                                     "max_relative_difference": max(differences), "limit": 0.03,
+                                     "agree": max(differences) <= 0.03,
+                                     "final": {p: c["loss"][-1] for p, c in curves.items()}}
+                print(f"bf16 against fp32: largest relative difference {max(differences):.3%}", flush=True)
+        for part in ("decode", "multi30k"):
+            if part in args.parts:
+                results[part] = measured(part, part)
     results["wall_seconds"] = time.perf_counter() - start
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write(args.out, json.dumps(results, indent=2) + "\n")
     text = table(results) + f"\n{results['wall_seconds'] / 60:.1f} minutes in all\n"
-    args.out.with_suffix(".md").write_text(text)
+    write(args.out.with_suffix(".md"), text)
     print(text)
+    if results["errors"]:
+        raise SystemExit(f"bench.gpu: {len(results['errors'])} part(s) did not finish: {', '.join(results['errors'])}")
 
 
 if __name__ == "__main__":
