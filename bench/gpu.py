@@ -269,8 +269,9 @@ def profile(sizes: Sizes, work: Path) -> dict[str, Any]:
 
 
 def decode(sizes: Sizes, work: Path) -> dict[str, Any]:
-    """Base (tiny with --smoke) trained by the train stage in bf16 until it ends sentences as a trained
-    model does, then decoded by every system at every precision."""
+    """Base (tiny with --smoke) trained by the train stage in bf16 for a short while, so that it ends
+    its sentences rather than running to the length limit as random weights do (the share of
+    identical outputs shows whether it does), then decoded by every system at every precision."""
     import sacrebleu
 
     from bench.decode import decode_all, report
@@ -279,7 +280,7 @@ def decode(sizes: Sizes, work: Path) -> dict[str, Any]:
 
     name = "tiny" if "tiny" in sizes.models else "base"
     steps = sizes.decode_train_steps
-    # The paper's rate, its warm-up shortened to the run, halved so that its peak is the paper's peak.
+    # The paper's rate with the warm-up as long as the run, scaled so that it peaks where the paper's does.
     params = train_params(sizes, max_steps=steps, warmup_steps=steps, lr_scale=(steps / 4000) ** 0.5,
                           log_every=max(steps // 10, 1))
     trained = train.run(model_config(name), params, encoded_dir=work / "encoded", vocab_dir=work / "vocab",
@@ -316,9 +317,10 @@ def multi30k(sizes: Sizes, work: Path) -> dict[str, Any]:
             (source / f"{stem}.{lang}").write_text("\n".join(lines[: sizes.multi30k_lines]) + "\n", encoding="utf-8")
     overrides = collect_overrides(["multi30k", "multi30k-gpu"], [])
     overrides.update({"download.source": "local", "download.local.dir": str(source),
-                      **{f"download.local.{split}": {"src": f"{stem}.en", "tgt": f"{stem}.de"}
-                         for split, stem in files.items()},
-                      "download.local.train": [{"src": "train.en", "tgt": "train.de"}], **sizes.multi30k})
+                      "download.local.train": [{"src": "train.en", "tgt": "train.de"}],
+                      "download.local.dev": {"src": "val.en", "tgt": "val.de"},
+                      "download.local.test": {"src": "test_2016_flickr.en", "tgt": "test_2016_flickr.de"},
+                      **sizes.multi30k})
     params = layered(overrides)
     out = work / "multi30k"
     paths = {name: out / name for name in ("raw", "clean", "vocab", "encoded", "checkpoints", "plots", "hyps")}
