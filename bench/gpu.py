@@ -455,6 +455,8 @@ def main() -> None:
     ap.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--accum", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.part_timeout < 0:
+        ap.error(f"--part-timeout must be 0 (no limit) or more seconds, not {args.part_timeout}")
     if unknown := set(args.parts) - set(PARTS):
         ap.error(f"--parts: unknown {', '.join(sorted(unknown))} (known: {', '.join(PARTS)})")
     sizes = SMOKE if args.smoke else FULL
