@@ -51,6 +51,19 @@ def test_source_padding_cannot_change_outputs(positions):
         torch.testing.assert_close(model.decode(tgt, memory, pad_mask), model(src, tgt))
 
 
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_the_encoder_without_padding_equals_the_padded_one(norm):
+    model = tiny_model(norm=norm)
+    src = torch.randint(4, 23, (3, 7))
+    src[0, 4:], src[2, 1:] = PAD, PAD  # lengths 4, 7 and 1
+    with torch.no_grad():
+        padded, pad_mask = model.encode(src)
+        unpadded, same_mask = model.encode(src, unpadded=True)
+    assert torch.equal(pad_mask, same_mask)
+    torch.testing.assert_close(unpadded[~pad_mask], padded[~pad_mask], atol=1e-5, rtol=1e-5)
+    assert not unpadded[pad_mask].any()
+
+
 def test_shared_embedding_is_the_output_projection():
     model = tiny_model()
     assert sum(p.numel() for p in model.parameters() if p.shape == (23, 32)) == 23 * 32

@@ -8,6 +8,31 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+@dataclass(frozen=True)
+class Packing:
+    """Where the real tokens of a padded (B, S) batch lie, so that position-wise work (projections,
+    feed-forward, LayerNorm) runs on those n tokens only, (n, D), and attention on the padded (B, S, D).
+    A batch of sentences of mixed length is often half padding (CTranslate2 removes it as well)."""
+
+    index: Tensor  # (n,): flat positions b * S + s of the real tokens
+    batch: int
+    length: int
+
+    @staticmethod
+    def of(padding: Tensor) -> Packing:
+        """padding (B, S), True at padding."""
+        return Packing(padding.logical_not().view(-1).nonzero().squeeze(1), *padding.shape)
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(B, S, ...) -> (n, ...)"""
+        return x.reshape(self.batch * self.length, *x.shape[2:]).index_select(0, self.index)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """(n, ...) -> (B, S, ...), zeros at padding."""
+        out = x.new_zeros(self.batch * self.length, *x.shape[1:])
+        return out.index_copy_(0, self.index, x).view(self.batch, self.length, *x.shape[1:])
+
+
 @dataclass
 class KVCache:
     """One attention module's keys and values so far, each (B, n_heads, T, d_k or d_v); empty until
@@ -89,6 +114,7 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         cache: KVCache | None = None,
         static_memory: bool = False,
+        packing: Packing | None = None,
     ) -> Tensor:
         """Attend from `query` (N, Tq, D) to `memory` (B, Tk, D), N = beams x B: rows b x beams ..
         (b + 1) x beams - 1 of the query (a sentence's beams in beam search) share memory row b.
@@ -98,9 +124,14 @@ class MultiHeadAttention(nn.Module):
         cache: this module's keys and values. With static_memory (encoder-decoder attention) they
         are computed once from `memory`; otherwise (decoder self-attention, one new position per
         call) the new ones are appended.
+        packing: query and memory are the same tokens without padding, (n, D) (self-attention
+        without a cache); the result is (n, D) too.
         """
-        q = self._heads(self.q_proj(query))  # (N, n_heads, Tq, d_k)
-        k, v = self._keys_values(memory, cache, static_memory)  # (B, n_heads, Tk, d)
+        if packing is not None:
+            q, k, v = (self._heads(packing.unpack(proj(query))) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        else:
+            q = self._heads(self.q_proj(query))  # (N, n_heads, Tq, d_k)
+            k, v = self._keys_values(memory, cache, static_memory)  # (B, n_heads, Tk, d)
         n, _, tq, _ = q.shape
         b = k.size(0)
         beams = n // b
@@ -119,4 +150,5 @@ class MultiHeadAttention(nn.Module):
                 q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
             )  # (B, n_heads, beams * Tq, d_v)
         y = y.view(b, self.n_heads, beams, tq, self.d_v).permute(0, 2, 3, 1, 4)  # (B, beams, Tq, n_heads, d_v)
-        return self.out_proj(y.reshape(n, tq, self.n_heads * self.d_v))
+        y = y.reshape(n, tq, self.n_heads * self.d_v)
+        return self.out_proj(y if packing is None else packing.pack(y))

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from transformer.attention import GrowingKVCache, KVCache, MultiHeadAttention
+from transformer.attention import GrowingKVCache, KVCache, MultiHeadAttention, Packing
 from transformer.config import TransformerConfig
 
 
@@ -57,8 +57,9 @@ class EncoderLayer(nn.Module):
         self.attn_block = Residual(c.d_model, c.dropout, pre_norm)
         self.ffn_block = Residual(c.d_model, c.dropout, pre_norm)
 
-    def forward(self, x: Tensor, src_pad: Tensor) -> Tensor:
-        x = self.attn_block(x, lambda h: self.self_attn(h, h, key_padding_mask=src_pad))
+    def forward(self, x: Tensor, src_pad: Tensor, packing: Packing | None = None) -> Tensor:
+        """x (B, S, D), or its real tokens (n, D) with their `packing`."""
+        x = self.attn_block(x, lambda h: self.self_attn(h, h, key_padding_mask=src_pad, packing=packing))
         return self.ffn_block(x, self.ffn)
 
 

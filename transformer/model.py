@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from transformer.config import TransformerConfig
+from transformer.attention import Packing
 from transformer.layers import DecoderLayer, EncoderLayer, LayerCache
 
 
@@ -60,13 +61,19 @@ class Transformer(nn.Module):
             pos = self.sinusoids[offset : offset + t]
         return self.embed_dropout(self.embed(tokens) * math.sqrt(self.config.d_model) + pos)
 
-    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
-        """src (B, S) -> memory (B, S, d_model) and its padding mask (B, S), True at padding."""
+    def encode(self, src: Tensor, unpadded: bool = False) -> tuple[Tensor, Tensor]:
+        """src (B, S) -> memory (B, S, d_model) and its padding mask (B, S), True at padding.
+        unpadded: every position-wise product runs on the real tokens only (see Packing), for
+        batches of mixed lengths; memory is zero at padding."""
         src_pad = src.eq(self.pad_id)
         x = self._embed(src)
+        packing = Packing.of(src_pad) if unpadded else None
+        if packing is not None:
+            x = packing.pack(x)  # (n, d_model)
         for layer in self.encoder:
-            x = layer(x, src_pad)
-        return self.encoder_norm(x), src_pad
+            x = layer(x, src_pad, packing)
+        x = self.encoder_norm(x)
+        return (x if packing is None else packing.unpack(x)), src_pad
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor, cache: DecoderCache | None = None,
                offset: int = 0, out: Tensor | None = None) -> Tensor:
@@ -111,7 +118,7 @@ class IncrementalDecoder:
 
     def __init__(self, model: Transformer, src: Tensor, use_cache: bool = True, never: tuple[int, ...] = ()) -> None:
         self.model = model
-        self.memory, self.src_pad = model.encode(src)  # (B, S, d_model), (B, S)
+        self.memory, self.src_pad = model.encode(src, unpadded=True)  # (B, S, d_model), (B, S)
         self.cache = DecoderCache(len(model.decoder)) if use_cache else None
         self.never = torch.tensor(sorted({model.pad_id, *never}), device=src.device)
         # Logits and log-probabilities are written into these, the largest tensors of a step: on CPUs
