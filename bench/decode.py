@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -181,12 +181,11 @@ def trained_base(work: Path, steps: int, corpus: str) -> tuple[Path, Path]:
     """Transformer base trained `steps` steps by the train stage on a shared corpus (fp32), its
     vocabulary and encoded text made by the vocab and encode stages (bench.gpu's preparation); a run
     already in `work`/`corpus` is reused (the train stage resumes it, or finds it done)."""
-    from bench.gpu import Sizes, model_config, prepare, train_params
+    from bench.gpu import FULL, model_config, prepare, train_params
     from stages import train
     from stages.model_files import current_dir, list_checkpoints
 
-    sizes = Sizes(train_lines=30000, vocab_size=8000, batch_tokens=3000, models=("base",), warmup_steps=0,
-                  timed_steps=0, curve_steps=steps, curve_log_every=25, decode_lines=3003, decode_precisions=("fp32",))
+    sizes = replace(FULL, train_lines=30000, vocab_size=8000, batch_tokens=3000, decode_lines=3003)
     work = work / corpus
     if not (work / "encoded").is_dir():
         prepare(sizes, work, corpus)
