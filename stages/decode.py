@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from stages import vocab
 from stages.batching import pad
-from stages.devices import default_device, use_fast_attention
+from stages.devices import default_device, keep_freed_memory, use_fast_attention
 from stages.io import InputPath, OutputPath, atomic_write, check, read_lines, read_manifest, require_dir, split_path
 from stages.model_files import read_model
 from transformer import IncrementalDecoder, Transformer, beam_search
@@ -63,6 +63,8 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, desc: str = "decode") -> list[str]:
     """Translate `lines`, batched by length for speed, returned in input order."""
     device = next(model.parameters()).device
+    if device.type == "cpu":
+        keep_freed_memory()
     limit = model.config.max_positions - 1  # room for EOS
     encoded = [ids[:limit] for ids in sp.encode(lines)]
     truncated = sum(len(ids) == limit for ids in encoded)

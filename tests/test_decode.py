@@ -125,3 +125,33 @@ def test_an_empty_line_translates_to_an_empty_line(averaged, vocab_dir, tmp_path
     out = capsys.readouterr().out.split("\n")
     assert len(out) == 5 and out[0] == out[2] == out[3] == "" and out[4] == ""  # four lines, then the end
     assert searched == [1]  # only the sentence was searched; a model asked for an empty line says something
+
+
+FREED_BYTES_KEPT = """
+import ctypes, sys, torch
+from stages.devices import keep_freed_memory
+if sys.argv[1] == "keep":
+    keep_freed_memory()
+x = torch.ones(4 << 20)  # 16 MB: by glibc's default a block of its own, mapped from the OS and returned at free
+del x
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+print(libc.mallinfo2().fordblks)
+"""
+
+
+def test_decoding_on_cpus_keeps_freed_memory_for_the_next_step():
+    """Beam search's per-step tensors come back from glibc's heap instead of fresh pages from the OS."""
+    import ctypes
+    import subprocess
+    import sys
+
+    try:
+        ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc 2.33 or later")
+    kept = {how: int(subprocess.run([sys.executable, "-c", FREED_BYTES_KEPT, how], capture_output=True, text=True,
+                                    check=True).stdout) for how in ("default", "keep")}
+    assert kept["default"] < 16 << 20 <= kept["keep"], kept
