@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 import torch
 
@@ -25,12 +26,13 @@ def use_fast_attention() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+@functools.cache  # once a process: finding the C library runs ldconfig
 def keep_freed_memory() -> None:
     """Make glibc serve blocks up to 32 MB from its heap and keep what is freed there, instead of
     mapping fresh pages from the OS and returning them at each free. Beam search on CPUs allocates and
     frees tensors of a few MB every step (the self-attention cache grows), and with glibc's defaults
-    many come as new pages, each zeroed by the kernel on first touch: system time that CTranslate2's
-    own caching allocator avoids. The process keeps its peak memory instead. No-op elsewhere."""
+    many come as new pages, each zeroed by the kernel on first touch (system time). The process keeps
+    its peak memory instead. No-op without glibc."""
     name = ctypes.util.find_library("c")
     try:
         mallopt = ctypes.CDLL(name).mallopt if name else None
