@@ -5,11 +5,12 @@ MarianMT `generate` and in CTranslate2, in one run.
     python -m bench.decode --model M --vocab-dir V --source S --limit 500
     python -m bench.decode --train-base N --work W --limit 500   # base size, trained here first: see below
 
-The model is exported with the export stage (so all three hold identical weights), then each system
-translates the same source lines with beam 4 on the same device, batched by length, sentences of
-similar length together, with the same length penalty (|Y|^alpha, the one all three have) and the same
-stopping rule (a sentence is done once 4 hypotheses have ended: `decode.stop: finished`, CTranslate2's
-default, transformers' early_stopping=True). Each system's own length limit is the source length + 50
+The model is exported with the export stage (so all three hold identical weights), then each system,
+in a process of its own as a user runs it (the processes take turns), translates the same source
+lines with beam 4 on the same device, batched by length, sentences of similar length together, with
+the same length penalty (|Y|^alpha, the one all three have) and the same stopping rule (a sentence
+is done once 4 hypotheses have ended: `decode.stop: finished`, CTranslate2's default, transformers'
+early_stopping=True). Each system's own length limit is the source length + 50
 where it has one (ours; CTranslate2 and transformers take one limit per batch). The figure is target
 tokens produced (sentencepiece pieces of the output) per second, the best of --repeats runs taken in
 turn (this machine's speed drifts by 10-20% between runs), with the ratio of ours to each peer and how
@@ -34,6 +35,7 @@ systems' length limits differ (see README, "Speed"). On a GPU, bench.gpu trains 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import subprocess
 import sys
 import tempfile
@@ -41,6 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,57 +81,141 @@ def _timed(work: Callable[[], list[str]]) -> tuple[float, list[str]]:
     return time.perf_counter() - start, lines
 
 
+SYSTEMS = ("ours (decode stage)", "transformers MarianMT generate", "CTranslate2")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a worker process needs to load one system: the same weights in each system's format."""
+    model_path: Path
+    vocab_dir: Path
+    marian_dir: Path
+    ct2_dir: Path
+    beam: int
+    batch_tokens: int
+    threads: int
+
+
 def decode_all(model_path: Path, vocab_dir: Path, lines: list[str], beam: int, batch_tokens: int,
                precisions: tuple[str, ...], tmp: Path, repeats: int = 1) -> tuple[list[Decoded], dict[str, str]]:
     """Every system at every precision on the same lines: ours (the decode stage), transformers
     MarianMT generate and CTranslate2, from the same weights. Also returns, by system and precision,
-    why a peer could not run here (CTranslate2's wheel is built for one CUDA major version)."""
-    from transformers import MarianMTModel, MarianTokenizer
+    why a peer could not run here (CTranslate2's wheel is built for one CUDA major version).
 
-    device = default_device()
-    sp = vocab.load(vocab_dir)
+    Each system runs in a process of its own, as a user runs it: two of them in one process share
+    its allocator settings and bring two OpenMP runtimes (one-off, base on 500 test2016 lines: ours
+    25.3 s alone, 27.9 s after CTranslate2 in the same process). The processes take turns, one
+    translating at a time."""
     marian_dir = export.to_marian(model_path, vocab_dir, tmp / "marian")
-    params = DecodeParams(beam_size=beam, length_penalty=0.6, length_penalty_formula="power", stop="finished",
-                          max_length_extra=50, batch_tokens=batch_tokens)
-    tokenizer = MarianTokenizer.from_pretrained(marian_dir)
-
-    def batches(some: list[str]) -> list[list[int]]:
-        return length_batches([len(ids) for ids in sp.encode(some)], batch_tokens)
-
+    setup = Setup(model_path, vocab_dir, marian_dir, export.to_ctranslate2(marian_dir, tmp / "ct2"), beam,
+                  batch_tokens, torch.get_num_threads())
+    sp = vocab.load(vocab_dir)
     results, unavailable = [], {}
     for precision in precisions:
-        ours = load_translator(model_path, device).to(DTYPES[precision])
-        hf = MarianMTModel.from_pretrained(marian_dir).to(device=device, dtype=DTYPES[precision]).eval()
-
-        def generate(some: list[str]) -> list[str]:
-            out = [""] * len(some)
-            with torch.inference_mode():
-                for batch in batches(some):
-                    inputs = tokenizer([some[i] for i in batch], return_tensors="pt", padding=True).to(device)
-                    ids = hf.generate(**inputs, num_beams=beam, length_penalty=0.6, do_sample=False,
-                                      early_stopping=True, max_new_tokens=inputs["input_ids"].size(1) + 50)
-                    for i, text in zip(batch, tokenizer.batch_decode(ids, skip_special_tokens=True), strict=True):
-                        out[i] = text
-            return out
-
-        systems = {"ours (decode stage)": lambda some: translate(ours, sp, some, params, "ours"),
-                   "transformers MarianMT generate": generate}
-        ct2 = _ctranslate2(export.to_ctranslate2(marian_dir, tmp / f"ct2-{precision}"), sp, beam, batches,
-                           device, precision)
-        if isinstance(ct2, str):
-            unavailable[f"CTranslate2 {precision}"] = ct2
-        else:
-            systems["CTranslate2"] = ct2
-        for work in systems.values():  # warm-up: first calls, kernels chosen, caches filled
-            work(lines[:8])
-        best, outputs = dict.fromkeys(systems, float("inf")), {}
-        for _ in range(repeats):  # in turn, so a slow spell of the machine does not fall on one system only
-            for name, work in systems.items():
-                seconds, outputs[name] = _timed(lambda: work(lines))
-                best[name] = min(best[name], seconds)
+        with _Workers(setup, precision, lines[:8]) as workers:  # warm-up: first calls, kernels chosen, caches filled
+            unavailable |= {f"{name} {precision}": why for name, why in workers.unavailable.items()}
+            best, outputs = dict.fromkeys(workers.ready, float("inf")), {}
+            for _ in range(repeats):  # in turn, so a slow spell of the machine does not fall on one system only
+                for name in workers.ready:
+                    seconds, outputs[name] = workers.translate(name, lines)
+                    best[name] = min(best[name], seconds)
         results += [Decoded(name, precision, best[name], sum(len(ids) for ids in sp.encode(outputs[name])),
-                            outputs[name]) for name in systems]
+                            outputs[name]) for name in best]
     return results, unavailable
+
+
+class _Workers:
+    """One process per system, each loading its system and answering translation requests with
+    (seconds, output lines); a system that cannot load here says why instead."""
+
+    def __init__(self, setup: Setup, precision: str, warm_up: list[str]) -> None:
+        context = multiprocessing.get_context("spawn")  # no state of this process is inherited
+        self.connections, self.processes, self.ready, self.unavailable = {}, [], [], {}
+        for name in SYSTEMS:
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_serve, args=(theirs, name, precision, setup, warm_up), daemon=True)
+            process.start()
+            theirs.close()
+            self.connections[name] = ours
+            self.processes.append(process)
+        for name, connection in self.connections.items():
+            why = self._answer(name)
+            if why is None:
+                self.ready.append(name)
+            else:
+                self.unavailable[name] = why
+
+    def _answer(self, name: str) -> Any:
+        try:
+            return self.connections[name].recv()
+        except EOFError:
+            raise RuntimeError(f"{name}: its worker process ended without answering (its error is above)") from None
+
+    def translate(self, name: str, lines: list[str]) -> tuple[float, list[str]]:
+        self.connections[name].send(lines)
+        return self._answer(name)
+
+    def __enter__(self) -> _Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for connection in self.connections.values():
+            connection.close()  # a worker waiting for lines reads the end and returns
+        for process in self.processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+
+
+def _serve(connection, name: str, precision: str, setup: Setup, warm_up: list[str]) -> None:
+    """A worker process: load one system, warm it up, then time each list of lines it is sent."""
+    torch.set_num_threads(setup.threads)
+    work = _load(name, precision, setup)
+    if isinstance(work, str):
+        connection.send(work)
+        return
+    work(warm_up)
+    connection.send(None)
+    while True:
+        try:
+            lines = connection.recv()
+        except EOFError:
+            return
+        connection.send(_timed(lambda: work(lines)))
+
+
+def _load(name: str, precision: str, setup: Setup) -> Callable[[list[str]], list[str]] | str:
+    """One system's translation of a list of lines, batched alike in all, or why it cannot run here."""
+    device = default_device()
+    sp = vocab.load(setup.vocab_dir)
+
+    def batches(some: list[str]) -> list[list[int]]:
+        return length_batches([len(ids) for ids in sp.encode(some)], setup.batch_tokens)
+
+    if name == "CTranslate2":
+        return _ctranslate2(setup.ct2_dir, sp, setup.beam, batches, device, precision)
+    if name.startswith("ours"):
+        ours = load_translator(setup.model_path, device).to(DTYPES[precision])
+        params = DecodeParams(beam_size=setup.beam, length_penalty=0.6, length_penalty_formula="power",
+                              stop="finished", max_length_extra=50, batch_tokens=setup.batch_tokens)
+        return lambda some: translate(ours, sp, some, params, "ours")
+    from transformers import MarianMTModel, MarianTokenizer
+
+    tokenizer = MarianTokenizer.from_pretrained(setup.marian_dir)
+    hf = MarianMTModel.from_pretrained(setup.marian_dir).to(device=device, dtype=DTYPES[precision]).eval()
+
+    def generate(some: list[str]) -> list[str]:
+        out = [""] * len(some)
+        with torch.inference_mode():
+            for batch in batches(some):
+                inputs = tokenizer([some[i] for i in batch], return_tensors="pt", padding=True).to(device)
+                ids = hf.generate(**inputs, num_beams=setup.beam, length_penalty=0.6, do_sample=False,
+                                  early_stopping=True, max_new_tokens=inputs["input_ids"].size(1) + 50)
+                for i, text in zip(batch, tokenizer.batch_decode(ids, skip_special_tokens=True), strict=True):
+                    out[i] = text
+        return out
+
+    return generate
 
 
 def _ctranslate2(model_dir: Path, sp, beam: int, batches: Callable[[list[str]], list[list[int]]],
