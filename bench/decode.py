@@ -50,12 +50,12 @@ import torch
 from bench import SHARED
 from bench.gpu import CORPORA
 from stages import export, vocab
-from stages.decode import DecodeParams, length_batches, load_translator, translate
+from stages.decode import DTYPES, DecodeParams, length_batches, load_translator, translate
 from stages.devices import default_device
 
 NEWSTEST = SHARED / "wmt14/newstest2014-full/newstest2014-deen-src.en.txt"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+NEWSTEST_REF = SHARED / "wmt14/newstest2014-full/newstest2014-deen-ref.de.txt"
+CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8"}
 
 
 @dataclass(frozen=True)
@@ -195,10 +195,12 @@ def _load(name: str, precision: str, setup: Setup) -> Callable[[list[str]], list
     if name == "CTranslate2":
         return _ctranslate2(setup.ct2_dir, sp, setup.beam, batches, device, precision)
     if name.startswith("ours"):
-        ours = load_translator(setup.model_path, device).to(DTYPES[precision])
+        ours = load_translator(setup.model_path, device, precision)
         params = DecodeParams(beam_size=setup.beam, length_penalty=0.6, length_penalty_formula="power",
                               stop="finished", max_length_extra=50, batch_tokens=setup.batch_tokens)
         return lambda some: translate(ours, sp, some, params, "ours")
+    if precision not in DTYPES:
+        return "no int8 decoding without another package (bitsandbytes, optimum-quanto or torchao)"
     from transformers import MarianMTModel, MarianTokenizer
 
     tokenizer = MarianTokenizer.from_pretrained(setup.marian_dir)
@@ -252,15 +254,19 @@ def _ctranslate2(model_dir: Path, sp, beam: int, batches: Callable[[list[str]], 
 AGREEMENT = 0.95  # the share of identical output lines below which two speeds are not compared
 
 
-def report(results: list[Decoded]) -> list[str]:
-    """Each system's rate, ours against it, and the share of output lines identical to ours."""
+def report(results: list[Decoded], references: list[str] | None = None) -> list[str]:
+    """Each system's rate, ours against it, and the share of output lines identical to ours; with
+    references, each system's sacreBLEU (what a lower precision costs)."""
+    import sacrebleu
+
     rows = []
     for r in results:
         ours = next(o for o in results if o.precision == r.precision and o.system.startswith("ours"))
         same = sum(a == b for a, b in zip(ours.lines, r.lines, strict=True)) / len(r.lines)
         ratio = f"ours / this: {ours.rate / r.rate:.2f}x" if same >= AGREEMENT else "not compared: outputs differ"
+        bleu = f"  BLEU {sacrebleu.corpus_bleu(r.lines, [references]).score:.2f}" if references else ""
         rows.append(f"{r.system:32}{r.precision:>5}{r.rate:>10,.0f} target tokens/s{len(r.lines) / r.seconds:>8,.1f}"
-                    f" sentences/s  ({r.tokens} tokens)  {ratio}  same lines: {same:.1%}")
+                    f" sentences/s  ({r.tokens} tokens)  {ratio}  same lines: {same:.1%}{bleu}")
     return rows
 
 
@@ -289,18 +295,20 @@ def main() -> None:
     ap.add_argument("--vocab-dir", type=Path, default=Path("data/vocab"))
     ap.add_argument("--source", type=Path, help="source lines to translate (default: newstest2014, or with "
                     "--train-base the test set of --corpus)")
+    ap.add_argument("--reference", type=Path, help="translations of --source to score each system's output "
+                    "against with sacreBLEU (default: the reference of the default source)")
     ap.add_argument("--limit", type=int, default=0, help="first N lines only (0: all)")
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--batch-tokens", type=int, default=8000)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each system, taken in turn; the best counts")
     ap.add_argument("--precisions", type=lambda text: tuple(text.split(",")), default=("fp32",),
-                    help=f"comma-separated, of {', '.join(DTYPES)} (bf16 and fp16 for GPUs)")
+                    help=f"comma-separated, of {', '.join(CT2_TYPES)} (bf16 and fp16 for GPUs, int8 for CPUs)")
     ap.add_argument("--train-base", type=int, metavar="STEPS", help="train Transformer base this many steps first")
     ap.add_argument("--work", type=Path, help="where --train-base keeps its model (default: a temporary folder)")
     ap.add_argument("--corpus", choices=sorted(CORPORA), help="what --train-base trains on (default: multi30k)")
     args = ap.parse_args()
-    if unknown := set(args.precisions) - set(DTYPES):
-        ap.error(f"--precisions: unknown {', '.join(sorted(unknown))} (known: {', '.join(DTYPES)})")
+    if unknown := set(args.precisions) - set(CT2_TYPES):
+        ap.error(f"--precisions: unknown {', '.join(sorted(unknown))} (known: {', '.join(CT2_TYPES)})")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, not {args.repeats}")
     if args.train_base is not None and args.train_base < 1:
@@ -313,14 +321,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.train_base is not None:
             args.model, args.vocab_dir = trained_base(args.work or Path(tmp), args.train_base, args.corpus)
-            args.source = args.source or Path(CORPORA[args.corpus]["test"]["en"])
-        args.source = args.source or NEWSTEST
+            if args.source is None:
+                args.source = Path(CORPORA[args.corpus]["test"]["en"])
+                args.reference = args.reference or Path(CORPORA[args.corpus]["test"]["de"])
+        if args.source is None:
+            args.source, args.reference = NEWSTEST, args.reference or NEWSTEST_REF
         lines = args.source.read_text(encoding="utf-8").splitlines()[: args.limit or None]
+        references = args.reference.read_text(encoding="utf-8").splitlines()[: len(lines)] if args.reference else None
+        if references is not None and len(references) != len(lines):
+            ap.error(f"--reference {args.reference}: {len(references)} lines for {len(lines)} source lines")
         results, unavailable = decode_all(args.model, args.vocab_dir, lines, args.beam, args.batch_tokens,
                                           args.precisions, Path(tmp), args.repeats)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
     print(f"{len(lines)} sentences of {args.source.name}, beam {args.beam}, {where}")
-    print("\n".join(report(results)))
+    print("\n".join(report(results, references)))
     for system, why in unavailable.items():
         print(f"{system}: not measured ({why})")
 

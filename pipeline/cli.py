@@ -79,7 +79,7 @@ def translate_command(args: argparse.Namespace) -> None:
     if args.input is not None and not args.input.is_file():
         raise PipelineError(f"{args.input}: input file not found")
     lines = [line.rstrip("\n") for line in (args.input.open(encoding="utf-8") if args.input else sys.stdin)]
-    model = decode.load_translator(args.model, default_device())
+    model = decode.load_translator(args.model, default_device(), params.precision)
     for line in decode.translate(model, vocab.load(args.vocab_dir), lines, params, desc="translate"):
         print(line)
 

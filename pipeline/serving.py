@@ -21,9 +21,9 @@ class Translator(PythonModel):
         from stages.decode import DecodeParams, load_translator
         from stages.devices import default_device
 
-        self.model = load_translator(context.artifacts["model"], default_device())
-        self.sp = vocab.load(context.artifacts["vocab"])
         self.params = DecodeParams(**json.loads(Path(context.artifacts["decode"]).read_text(encoding="utf-8")))
+        self.model = load_translator(context.artifacts["model"], default_device(), self.params.precision)
+        self.sp = vocab.load(context.artifacts["vocab"])
 
     def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> list[str]:
         """model_input: a list of sentences (or a one-column DataFrame of them)."""

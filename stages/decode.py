@@ -3,11 +3,13 @@ length penalty alpha 0.6, at most input length + 50 tokens), detokenised, in inp
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
+from torch import Tensor, nn
 from tqdm import tqdm
 
 from stages import vocab
@@ -16,8 +18,11 @@ from stages.devices import default_device, keep_freed_memory, use_fast_attention
 from stages.io import InputPath, OutputPath, atomic_write, check, read_lines, read_manifest, require_dir, split_path
 from stages.model_files import read_model
 from transformer import IncrementalDecoder, Transformer, beam_search
+from transformer.model import PreSoftmax
 
 SPLITS = ("dev", "test")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = (*DTYPES, "int8")
 
 
 @dataclass(frozen=True)
@@ -28,22 +33,73 @@ class DecodeParams:
     stop: Literal["exact", "finished"]  # when a sentence's search ends: transformer.beam_search says
     max_length_extra: int  # a translation has at most (source tokens + this) tokens
     batch_tokens: int  # source tokens per batch, padding included
+    precision: Literal["fp32", "bf16", "fp16", "int8"] = "fp32"  # int8: CPUs only (see Int8Linear)
 
     def __post_init__(self) -> None:
         check(self.beam_size >= 1, "beam_size", f"must be at least 1 (1: greedy), not {self.beam_size}")
         check(self.length_penalty >= 0, "length_penalty", f"alpha must be 0 or more, not {self.length_penalty}")
         check(self.max_length_extra >= 0, "max_length_extra", f"must be 0 or more, not {self.max_length_extra}")
         check(self.batch_tokens >= 1, "batch_tokens", f"must be at least 1, not {self.batch_tokens}")
+        check(self.precision in PRECISIONS, "precision",
+              f"must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
 
 
-def load_translator(model_path: str | Path, device: torch.device) -> Transformer:
-    """An averaged model (.safetensors, from the average stage) or a training checkpoint (.pt)."""
+def load_translator(model_path: str | Path, device: torch.device, precision: str = "fp32") -> Transformer:
+    """An averaged model (.safetensors, from the average stage) or a training checkpoint (.pt), in
+    decode.precision."""
+    if precision == "int8" and device.type != "cpu":
+        raise ValueError(f"decode.precision int8 runs on CPUs only, not on {device.type}: bf16 or fp16 there")
     weights, meta = read_model(model_path)
     model = Transformer(meta.config, meta.vocab_size, vocab.PAD_ID)
     model.load_state_dict(weights)
     if device.type == "cuda":
         use_fast_attention()
-    return model.to(device).eval()
+    if precision == "int8":
+        return quantize_int8(model.eval())
+    return model.to(device=device, dtype=DTYPES[precision]).eval()
+
+
+class Int8Linear(nn.Module):
+    """x W^T + b with W in int8, one scale per output row, and x quantized at each call (fbgemm's
+    dynamic int8 product; CTranslate2's int8 scales x per row, fbgemm per product, so a sentence's
+    translation can depend a little on the others in its batch). torch deprecates the quantized
+    tensors this needs (a future release drops them); the int8 tests fail when it does."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        weight = weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12).double() / 127
+        zero = torch.zeros(len(scales), dtype=torch.long)
+        with warnings.catch_warnings():  # the deprecation above, once per process: not the user's to act on
+            warnings.simplefilter("ignore", UserWarning)
+            q = torch.quantize_per_channel(weight, scales, zero, 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
+
+    def forward(self, x: Tensor) -> Tensor:
+        # 7-bit inputs: without VNNI, x86's 8-bit product sums pairs in 16 bits, which could overflow.
+        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
+
+
+class Int8PreSoftmax(PreSoftmax):
+    """The pre-softmax projection with the embedding matrix in int8 (the input embedding stays fp32)."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.linear = Int8Linear(weight, None)
+
+    def forward(self, x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
+        y = self.linear(x)
+        return y if out is None else out.copy_(y)  # into the decoder's buffer: no fresh pages each step
+
+
+def quantize_int8(model: Transformer) -> Transformer:
+    """Every linear layer and the pre-softmax projection of `model` (on the CPU) in int8, in place."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, Int8Linear(child.weight, child.bias))
+    model.pre_softmax = Int8PreSoftmax(model.embed.weight)
+    return model
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -95,7 +151,7 @@ def run(params: DecodeParams, *, model_path: InputPath, vocab_dir: InputPath, cl
         out_dir: OutputPath) -> dict[str, float]:
     clean_dir = require_dir(clean_dir, "clean text (clean stage output)")
     src_lang, tgt_lang = read_manifest(clean_dir)
-    model = load_translator(model_path, default_device())
+    model = load_translator(model_path, default_device(), params.precision)
     sp = vocab.load(vocab_dir)
     metrics: dict[str, float] = {}
     for split in SPLITS:

@@ -47,6 +47,23 @@ def test_decode_batch_size_does_not_change_translations(averaged, vocab_dir, cle
     assert one == many
 
 
+def test_int8_model_runs_every_product_in_int8_close_to_fp32(averaged):
+    fp32 = decode.load_translator(averaged[0], torch.device("cpu"))
+    int8 = decode.load_translator(averaged[0], torch.device("cpu"), "int8")
+    assert not any(isinstance(m, torch.nn.Linear) for m in int8.modules())
+    assert isinstance(int8.pre_softmax, decode.Int8PreSoftmax)
+    src, tgt = torch.randint(4, fp32.vocab_size, (3, 9)), torch.randint(4, fp32.vocab_size, (3, 6))
+    with torch.inference_mode():
+        exact, approx = fp32(src, tgt), int8(src, tgt)
+    error = float((exact - approx).abs().max() / exact.abs().max())
+    assert 0 < error < 0.05, error  # quantized (not fp32 under another name), and no product far off
+
+
+def test_int8_is_refused_off_the_cpu(averaged):
+    with pytest.raises(ValueError, match="int8 runs on CPUs only"):
+        decode.load_translator(averaged[0], torch.device("meta"), "int8")
+
+
 def test_decode_refuses_a_model_that_is_not_ours(tmp_path):
     (tmp_path / "m.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     with pytest.raises(PipelineError, match="not a model written by this pipeline"):

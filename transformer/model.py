@@ -22,6 +22,17 @@ def sinusoidal_positions(n: int, d_model: int) -> Tensor:
     return torch.cat([torch.sin(pos * inv_freq), torch.cos(pos * inv_freq)], dim=1)
 
 
+class PreSoftmax(nn.Module):
+    """The pre-softmax linear transformation (section 3.4) with the shared embedding matrix, given at
+    each call: it holds no weights, so another implementation (int8 decoding) can take its place."""
+
+    def forward(self, x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
+        """x (N, T, d_model), weight (vocab, d_model) -> logits (N, T, vocab), into `out` if given."""
+        if out is None:
+            return nn.functional.linear(x, weight)
+        return torch.matmul(x, weight.t(), out=out)
+
+
 class Transformer(nn.Module):
     def __init__(self, config: TransformerConfig, vocab_size: int, pad_id: int) -> None:
         super().__init__()
@@ -39,6 +50,7 @@ class Transformer(nn.Module):
         # Pre-norm stacks end in a LayerNorm of their own; post-norm layers already end in one.
         self.encoder_norm = nn.LayerNorm(c.d_model) if pre else nn.Identity()
         self.decoder_norm = nn.LayerNorm(c.d_model) if pre else nn.Identity()
+        self.pre_softmax = PreSoftmax()
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -83,9 +95,7 @@ class Transformer(nn.Module):
         x = self._embed(tgt_in, offset)
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory, src_pad, cache.layers[i] if cache is not None else None)
-        if out is None:
-            return nn.functional.linear(self.decoder_norm(x), self.embed.weight)
-        return torch.matmul(self.decoder_norm(x), self.embed.weight.t(), out=out)
+        return self.pre_softmax(self.decoder_norm(x), self.embed.weight, out)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         memory, src_pad = self.encode(src)
