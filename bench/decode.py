@@ -15,6 +15,8 @@ where it has one (ours; CTranslate2 and transformers take one limit per batch). 
 tokens produced (sentencepiece pieces of the output) per second, the best of --repeats runs taken in
 turn (this machine's speed drifts by 10-20% between runs), with the ratio of ours to each peer and how
 many output lines are the same; a peer whose lines agree with ours on fewer than 95% gets no ratio.
+With a reference (--reference; by default newstest2014's, or the --corpus test set's) each system's
+sacreBLEU is printed too: what --precisions int8 (the decode stage's and CTranslate2's) costs.
 
 --train-base N measures at the paper's base size: the train stage trains Transformer base for N steps
 (3,000 target tokens each, the small Multi30k preset's step) on a shared corpus (--corpus: Multi30k's
