@@ -140,7 +140,7 @@ class _Workers:
             theirs.close()
             self.connections[name] = ours
             self.processes.append(process)
-        for name, connection in self.connections.items():
+        for name in self.connections:
             why = self._answer(name)
             if why is None:
                 self.ready.append(name)
