@@ -6,7 +6,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -15,14 +15,16 @@ from tqdm import tqdm
 from stages import vocab
 from stages.batching import pad
 from stages.devices import default_device, keep_freed_memory, use_fast_attention
-from stages.io import InputPath, OutputPath, atomic_write, check, read_lines, read_manifest, require_dir, split_path
+from stages.io import (
+    InputPath, OutputPath, PipelineError, atomic_write, check, read_lines, read_manifest, require_dir, split_path)
 from stages.model_files import read_model
 from transformer import IncrementalDecoder, Transformer, beam_search
 from transformer.model import PreSoftmax
 
 SPLITS = ("dev", "test")
+Precision = Literal["fp32", "bf16", "fp16", "int8"]  # int8: CPUs only (see Int8Linear)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PRECISIONS = (*DTYPES, "int8")
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class DecodeParams:
     stop: Literal["exact", "finished"]  # when a sentence's search ends: transformer.beam_search says
     max_length_extra: int  # a translation has at most (source tokens + this) tokens
     batch_tokens: int  # source tokens per batch, padding included
-    precision: Literal["fp32", "bf16", "fp16", "int8"] = "fp32"  # int8: CPUs only (see Int8Linear)
+    precision: Precision = "fp32"
 
     def __post_init__(self) -> None:
         check(self.beam_size >= 1, "beam_size", f"must be at least 1 (1: greedy), not {self.beam_size}")
@@ -48,7 +50,7 @@ def load_translator(model_path: str | Path, device: torch.device, precision: str
     """An averaged model (.safetensors, from the average stage) or a training checkpoint (.pt), in
     decode.precision."""
     if precision == "int8" and device.type != "cpu":
-        raise ValueError(f"decode.precision int8 runs on CPUs only, not on {device.type}: bf16 or fp16 there")
+        raise PipelineError(f"decode.precision int8 runs on CPUs only, not on {device.type}: bf16 or fp16 there")
     weights, meta = read_model(model_path)
     model = Transformer(meta.config, meta.vocab_size, vocab.PAD_ID)
     model.load_state_dict(weights)
