@@ -256,6 +256,10 @@ def _ctranslate2(model_dir: Path, sp, beam: int, batches: Callable[[list[str]], 
 AGREEMENT = 0.95  # the share of identical output lines below which two speeds are not compared
 
 
+def _same(a: list[str], b: list[str]) -> float:
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
 def report(results: list[Decoded], references: list[str] | None = None) -> list[str]:
     """Each system's rate, ours against it, and the share of output lines identical to ours; with
     references, each system's sacreBLEU (what a lower precision costs)."""
@@ -264,9 +268,13 @@ def report(results: list[Decoded], references: list[str] | None = None) -> list[
     rows = []
     for r in results:
         ours = next(o for o in results if o.precision == r.precision and o.system.startswith("ours"))
-        same = sum(a == b for a, b in zip(ours.lines, r.lines, strict=True)) / len(r.lines)
+        same = _same(ours.lines, r.lines)
         ratio = f"ours / this: {ours.rate / r.rate:.2f}x" if same >= AGREEMENT else "not compared: outputs differ"
         bleu = f"  BLEU {sacrebleu.corpus_bleu(r.lines, [references]).score:.2f}" if references else ""
+        first = results[0].precision  # ours at a later precision: how many lines that precision changed
+        if r is ours and r.precision != first:
+            ours_first = next(o for o in results if o.precision == first and o.system == r.system)
+            bleu += f"  same lines as ours {first}: {_same(ours_first.lines, r.lines):.1%}"
         rows.append(f"{r.system:32}{r.precision:>5}{r.rate:>10,.0f} target tokens/s{len(r.lines) / r.seconds:>8,.1f}"
                     f" sentences/s  ({r.tokens} tokens)  {ratio}  same lines: {same:.1%}{bleu}")
     return rows
@@ -328,6 +336,9 @@ def main() -> None:
                 args.reference = args.reference or Path(CORPORA[args.corpus]["test"]["de"])
         if args.source is None:
             args.source, args.reference = NEWSTEST, args.reference or NEWSTEST_REF
+        for name, path in (("--source", args.source), ("--reference", args.reference)):
+            if path is not None and not path.is_file():
+                ap.error(f"{name} {path}: file not found")
         lines = args.source.read_text(encoding="utf-8").splitlines()[: args.limit or None]
         references = args.reference.read_text(encoding="utf-8").splitlines()[: len(lines)] if args.reference else None
         if references is not None and len(references) != len(lines):
