@@ -58,7 +58,25 @@ def load_translator(model_path: str | Path, device: torch.device, precision: str
         use_fast_attention()
     if precision == "int8":
         return quantize_int8(model.eval())
+    if device.type == "cpu" and precision == "fp32" and torch.backends.mkldnn.is_available():
+        model.pre_softmax = LinearPreSoftmax(PackedLinear(model.embed.weight, None))
     return model.to(device=device, dtype=DTYPES[precision]).eval()
+
+
+class PackedLinear(nn.Module):
+    """x W^T + b through oneDNN, with W reordered once into the blocked layout its kernels read. For the
+    pre-softmax projection on CPUs: there nn.Linear (MKL's sgemm, no faster on two threads than on
+    one at that shape) took up to 5x as long at a step's few rows (one per beam) and about as long at a
+    thousand. The other linear layers stay with MKL, as fast or faster at a few hundred rows and more
+    (README, "Speed")."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
+        self.bias = None if bias is None else bias.detach().float()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 class Int8Linear(nn.Module):
@@ -82,12 +100,13 @@ class Int8Linear(nn.Module):
         return torch.ops.quantized.linear_dynamic(x, self.packed, True)
 
 
-class Int8PreSoftmax(PreSoftmax):
-    """The pre-softmax projection with the embedding matrix in int8 (the input embedding stays fp32)."""
+class LinearPreSoftmax(PreSoftmax):
+    """The pre-softmax projection as a linear layer of its own over a copy of the embedding matrix
+    (PackedLinear or Int8Linear), for decoding; the input embedding keeps the original."""
 
-    def __init__(self, weight: Tensor) -> None:
+    def __init__(self, linear: nn.Module) -> None:
         super().__init__()
-        self.linear = Int8Linear(weight, None)
+        self.linear = linear
 
     def forward(self, x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
         y = self.linear(x)
@@ -100,7 +119,7 @@ def quantize_int8(model: Transformer) -> Transformer:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, Int8Linear(child.weight, child.bias))
-    model.pre_softmax = Int8PreSoftmax(model.embed.weight)
+    model.pre_softmax = LinearPreSoftmax(Int8Linear(model.embed.weight, None))
     return model
 
 

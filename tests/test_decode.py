@@ -47,11 +47,22 @@ def test_decode_batch_size_does_not_change_translations(averaged, vocab_dir, cle
     assert one == many
 
 
+def test_fp32_on_cpus_projects_to_the_vocabulary_with_packed_weights_as_the_plain_model(averaged):
+    weights, meta = read_model(averaged[0])
+    plain = decode.Transformer(meta.config, meta.vocab_size, vocab.PAD_ID).eval()
+    plain.load_state_dict(weights)
+    packed = decode.load_translator(averaged[0], torch.device("cpu"))
+    assert isinstance(packed.pre_softmax.linear, decode.PackedLinear)
+    src, tgt = torch.randint(4, meta.vocab_size, (3, 9)), torch.randint(4, meta.vocab_size, (3, 6))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(src, tgt), plain(src, tgt), rtol=1e-5, atol=1e-5)
+
+
 def test_int8_model_runs_every_product_in_int8_close_to_fp32(averaged):
     fp32 = decode.load_translator(averaged[0], torch.device("cpu"))
     int8 = decode.load_translator(averaged[0], torch.device("cpu"), "int8")
     assert not any(isinstance(m, torch.nn.Linear) for m in int8.modules())
-    assert isinstance(int8.pre_softmax, decode.Int8PreSoftmax)
+    assert isinstance(int8.pre_softmax.linear, decode.Int8Linear)
     src, tgt = torch.randint(4, fp32.vocab_size, (3, 9)), torch.randint(4, fp32.vocab_size, (3, 6))
     with torch.inference_mode():
         exact, approx = fp32(src, tgt), int8(src, tgt)
