@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from stages import vocab
 from stages.batching import pad
-from stages.devices import default_device, keep_freed_memory, use_fast_attention
+from stages.devices import HEAP_BLOCK_LIMIT, default_device, keep_freed_memory, use_fast_attention
 from stages.io import (
     InputPath, OutputPath, PipelineError, atomic_write, check, read_lines, read_manifest, require_dir, split_path)
 from stages.model_files import read_model
@@ -59,16 +59,13 @@ def load_translator(model_path: str | Path, device: torch.device, precision: str
     if precision == "int8":
         return quantize_int8(model.eval())
     if device.type == "cpu" and precision == "fp32" and torch.backends.mkldnn.is_available():
-        model.pre_softmax = LinearPreSoftmax(PackedLinear(model.embed.weight, None))
+        model.pre_softmax = PackedPreSoftmax(model.embed.weight)
     return model.to(device=device, dtype=DTYPES[precision]).eval()
 
 
 class PackedLinear(nn.Module):
-    """x W^T + b through oneDNN, with W reordered once into the blocked layout its kernels read. For the
-    pre-softmax projection on CPUs: there nn.Linear (MKL's sgemm, no faster on two threads than on
-    one at that shape) took up to 5x as long at a step's few rows (one per beam) and about as long at a
-    thousand. The other linear layers stay with MKL, as fast or faster at a few hundred rows and more
-    (README, "Speed")."""
+    """x W^T + b through oneDNN, with W reordered once into the blocked layout its kernels read (MKL's
+    sgemm, behind nn.Linear, packs W again at every call)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
@@ -109,8 +106,24 @@ class LinearPreSoftmax(PreSoftmax):
         self.linear = linear
 
     def forward(self, x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
-        y = self.linear(x)
-        return y if out is None else out.copy_(y)  # into the decoder's buffer: no fresh pages each step
+        return self.linear(x)  # a tensor of its own: copying it into `out` would only add a copy
+
+
+class PackedPreSoftmax(LinearPreSoftmax):
+    """The pre-softmax projection of fp32 decoding on CPUs: through oneDNN on packed weights while the
+    logits fit in a block glibc serves from its heap (keep_freed_memory), else as PreSoftmax does, into
+    the decoder's buffer. MKL's sgemm is no faster on two threads than on one at this shape and took
+    up to 2.5x as long at a step's few rows (one per beam); above the limit each step's fresh output
+    would be new pages from the OS, and oneDNN took 1.1-1.2x as long as MKL into a kept buffer (README,
+    "Speed"). The other linear layers stay with MKL, as fast or faster at a few hundred rows."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__(PackedLinear(weight, None))
+
+    def forward(self, x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
+        if out is not None and out.numel() * out.element_size() > HEAP_BLOCK_LIMIT:
+            return PreSoftmax.forward(self, x, weight, out)
+        return self.linear(x)
 
 
 def quantize_int8(model: Transformer) -> Transformer:

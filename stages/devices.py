@@ -26,9 +26,12 @@ def use_fast_attention() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+HEAP_BLOCK_LIMIT = 32 << 20  # bytes: the largest block glibc can be told to serve from its heap
+
+
 @functools.cache  # once a process: finding the C library runs ldconfig
 def keep_freed_memory() -> None:
-    """Make glibc serve blocks up to 32 MB from its heap and keep what is freed there, instead of
+    """Make glibc serve blocks up to HEAP_BLOCK_LIMIT (32 MB) from its heap and keep what is freed there, instead of
     mapping fresh pages from the OS and returning them at each free. Beam search on CPUs allocates and
     frees tensors of a few MB every step (the self-attention cache grows), and with glibc's defaults
     many come as new pages, each zeroed by the kernel on first touch (system time). The process keeps
@@ -40,7 +43,7 @@ def keep_freed_memory() -> None:
         mallopt = None
     if mallopt is not None:
         m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-        mallopt(m_mmap_threshold, 32 << 20)  # glibc's largest
+        mallopt(m_mmap_threshold, HEAP_BLOCK_LIMIT)
         mallopt(m_trim_threshold, 1 << 30)
 
 

@@ -52,10 +52,18 @@ def test_fp32_on_cpus_projects_to_the_vocabulary_with_packed_weights_as_the_plai
     plain = decode.Transformer(meta.config, meta.vocab_size, vocab.PAD_ID).eval()
     plain.load_state_dict(weights)
     packed = decode.load_translator(averaged[0], torch.device("cpu"))
-    assert isinstance(packed.pre_softmax.linear, decode.PackedLinear)
+    assert isinstance(packed.pre_softmax, decode.PackedPreSoftmax)
     src, tgt = torch.randint(4, meta.vocab_size, (3, 9)), torch.randint(4, meta.vocab_size, (3, 6))
     with torch.inference_mode():
         torch.testing.assert_close(packed(src, tgt), plain(src, tgt), rtol=1e-5, atol=1e-5)
+        # logits larger than the heap's blocks go into the decoder's buffer, the same numbers
+        rows = decode.HEAP_BLOCK_LIMIT // (4 * meta.vocab_size) + 1
+        x, buffer = torch.randn(rows, 1, meta.config.d_model), torch.empty(rows, 1, meta.vocab_size)
+        expected = torch.nn.functional.linear(x, plain.embed.weight)
+        assert packed.pre_softmax(x, packed.embed.weight, buffer).data_ptr() == buffer.data_ptr()
+        torch.testing.assert_close(buffer, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed.pre_softmax(x[:8], packed.embed.weight, buffer[:8]), expected[:8],
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_int8_model_runs_every_product_in_int8_close_to_fp32(averaged):

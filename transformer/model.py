@@ -27,7 +27,8 @@ class PreSoftmax(nn.Module):
     each call: it holds no weights, so another implementation (int8 decoding) can take its place."""
 
     def forward(self, x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
-        """x (N, T, d_model), weight (vocab, d_model) -> logits (N, T, vocab), into `out` if given."""
+        """x (N, T, d_model), weight (vocab, d_model) -> logits (N, T, vocab), written into `out` if
+        given (another implementation may return a tensor of its own instead)."""
         if out is None:
             return nn.functional.linear(x, weight)
         return torch.matmul(x, weight.t(), out=out)
@@ -91,7 +92,7 @@ class Transformer(nn.Module):
                offset: int = 0, out: Tensor | None = None) -> Tensor:
         """tgt_in (N, T) -> logits (N, T, vocab); N may be beams x B (see MultiHeadAttention). With a
         cache, tgt_in holds only the positions from `offset` on and keys and values of earlier positions
-        come from the cache. `out` (N, T, vocab), when given, receives the logits."""
+        come from the cache. `out` (N, T, vocab), when given, is a buffer the logits may be written into."""
         x = self._embed(tgt_in, offset)
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory, src_pad, cache.layers[i] if cache is not None else None)
@@ -152,7 +153,7 @@ class IncrementalDecoder:
             return torch.log_softmax(logits.float().index_fill_(-1, self.never, float("-inf")), dim=-1)
         logits, log_probs = self._buffers(tokens.size(0))
         t = tokens.size(1)
-        self.model.decode(tokens[:, -1:], self.memory, self.src_pad, self.cache, offset=t - 1, out=logits)
+        logits = self.model.decode(tokens[:, -1:], self.memory, self.src_pad, self.cache, offset=t - 1, out=logits)
         return torch.log_softmax(logits[:, 0].float().index_fill_(-1, self.never, float("-inf")), -1, out=log_probs)
 
     def reorder(self, order: Tensor, sentences: Tensor | None = None) -> None:
