@@ -112,10 +112,10 @@ class LinearPreSoftmax(PreSoftmax):
 class PackedPreSoftmax(LinearPreSoftmax):
     """The pre-softmax projection of fp32 decoding on CPUs: through oneDNN on packed weights while the
     logits fit in a block glibc serves from its heap (keep_freed_memory), else as PreSoftmax does, into
-    the decoder's buffer. MKL's sgemm is no faster on two threads than on one at this shape and took
-    up to 2.5x as long at a step's few rows (one per beam); above the limit each step's fresh output
-    would be new pages from the OS, and oneDNN took 1.1-1.2x as long as MKL into a kept buffer (README,
-    "Speed"). The other linear layers stay with MKL, as fast or faster at a few hundred rows."""
+    the decoder's buffer. MKL's sgemm took 1.2-3x as long at a step's 8-320 rows (beams x sentences);
+    above the limit each step's fresh output would be new pages from the OS, and there oneDNN was
+    1.03-1.09x slower than MKL into a kept buffer (`python -m bench.pre_softmax`, README "Speed"). The
+    other linear layers stay with MKL, as fast or faster at a few hundred rows."""
 
     def __init__(self, weight: Tensor) -> None:
         super().__init__(PackedLinear(weight, None))
