@@ -7,7 +7,7 @@ import torch
 
 from transformer import IncrementalDecoder, Transformer, TransformerConfig, beam_search, inverse_sqrt_rate
 import transformer.loss as loss_module
-from transformer.beam_search import STOPS
+from transformer.beam_search import STOPS, best_candidates
 from transformer.loss import label_smoothed_nll_loss
 from transformer.model import training_flops
 
@@ -291,6 +291,26 @@ def test_the_finished_rule_stops_once_beam_size_hypotheses_ended():
     assert beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, 0.0, stop="exact")[0][0].tokens == [4, 6]
     with pytest.raises(ValueError, match="stop must be one of"):
         beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, 0.0, stop="early")
+
+
+@pytest.mark.parametrize("vocab", [8000, 37000, 23])  # chunks of 80 and 40 tokens; 23: no chunks, a full top-k
+def test_best_candidates_are_the_full_top_k_over_beams_and_vocabulary(vocab):
+    torch.manual_seed(0)
+    B, beams, k = 5, 4, 8
+    lprobs = torch.log_softmax(torch.randn(B, beams, vocab) * 4, dim=-1)
+    lprobs[0, :, 1:] = float("-inf")  # a sentence at its length limit: one candidate per beam
+    lprobs[1, 2] = -1e-3  # a row of equal sums: any of them is a right answer
+    lprobs[2, :, -1] = 0.0  # the best candidates in the last chunk of every beam
+    scores = torch.randn(B, beams) * 3
+    full = (lprobs + scores.unsqueeze(-1)).view(B, -1)
+    expected = full.topk(k, dim=1).values
+    top, beam, token = best_candidates(lprobs.clone(), scores, k)
+    assert torch.equal(top, expected)
+    assert torch.equal(full.gather(1, beam * vocab + token), top)  # each (beam, token) has the sum reported
+    for b in range(B):  # no candidate twice, unless both are -inf (more asked for than there are)
+        finite = top[b] > float("-inf")
+        pairs = set(zip(beam[b][finite].tolist(), token[b][finite].tolist(), strict=True))
+        assert len(pairs) == int(finite.sum())
 
 
 def test_a_small_model_memorises_a_copy_task():
