@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -60,7 +61,16 @@ def load_translator(model_path: str | Path, device: torch.device, precision: str
         return quantize_int8(model.eval())
     if device.type == "cpu" and precision == "fp32" and torch.backends.mkldnn.is_available():
         model.pre_softmax = PackedPreSoftmax(model.embed.weight)
+        _replace_linears(model.decoder, FewRowsLinear)
     return model.to(device=device, dtype=DTYPES[precision]).eval()
+
+
+def _replace_linears(root: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
+    """Every nn.Linear under `root` becomes make(it), in place."""
+    for module in list(root.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, make(child))
 
 
 class PackedLinear(nn.Module):
@@ -74,6 +84,26 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+class FewRowsLinear(nn.Module):
+    """A decoder linear layer of fp32 decoding on CPUs: up to ROWS rows (beams x sentences, a step of
+    a small batch) through oneDNN on weights packed once, else as nn.Linear (MKL). At a few rows the
+    product is bound by reading W, which MKL's sgemm packs anew at every call: one sentence (4 rows)
+    decoded 1.15-1.18x faster with oneDNN there, and about as fast or faster at every batch size with
+    the limit at 64 rows (one-off, README "Speed"); at hundreds of rows MKL was as fast or faster."""
+
+    ROWS = 64
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+        self.packed = PackedLinear(linear.weight, linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() <= self.ROWS * x.size(-1):
+            return self.packed(x)
+        return self.linear(x)
 
 
 class Int8Linear(nn.Module):
@@ -128,10 +158,7 @@ class PackedPreSoftmax(LinearPreSoftmax):
 
 def quantize_int8(model: Transformer) -> Transformer:
     """Every linear layer and the pre-softmax projection of `model` (on the CPU) in int8, in place."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, Int8Linear(child.weight, child.bias))
+    _replace_linears(model, lambda linear: Int8Linear(linear.weight, linear.bias))
     model.pre_softmax = LinearPreSoftmax(Int8Linear(model.embed.weight, None))
     return model
 

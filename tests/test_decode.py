@@ -47,12 +47,21 @@ def test_decode_batch_size_does_not_change_translations(averaged, vocab_dir, cle
     assert one == many
 
 
-def test_fp32_on_cpus_projects_to_the_vocabulary_with_packed_weights_as_the_plain_model(averaged):
+def test_fp32_on_cpus_runs_the_decoder_and_projection_on_packed_weights_as_the_plain_model(averaged):
     weights, meta = read_model(averaged[0])
     plain = decode.Transformer(meta.config, meta.vocab_size, vocab.PAD_ID).eval()
     plain.load_state_dict(weights)
     packed = decode.load_translator(averaged[0], torch.device("cpu"))
     assert isinstance(packed.pre_softmax, decode.PackedPreSoftmax)
+    few_rows = [m for m in packed.decoder.modules() if isinstance(m, decode.FewRowsLinear)]
+    assert len(few_rows) == 10 * meta.config.decoder_layers  # q, k, v, out of both attentions, and the feed-forward
+    assert not any(isinstance(m, decode.FewRowsLinear) for m in packed.encoder.modules())
+    ffn = packed.decoder[0].ffn.net[0]
+    for rows in (4, ffn.ROWS + 1):  # oneDNN's packed weights, then MKL's product
+        x = torch.randn(rows, 1, meta.config.d_model)
+        with torch.inference_mode():
+            torch.testing.assert_close(ffn(x), torch.nn.functional.linear(x, plain.decoder[0].ffn.net[0].weight,
+                                                                          plain.decoder[0].ffn.net[0].bias))
     src, tgt = torch.randint(4, meta.vocab_size, (3, 9)), torch.randint(4, meta.vocab_size, (3, 6))
     with torch.inference_mode():
         torch.testing.assert_close(packed(src, tgt), plain(src, tgt), rtol=1e-5, atol=1e-5)
