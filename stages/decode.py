@@ -144,8 +144,8 @@ class PackedPreSoftmax(LinearPreSoftmax):
     logits fit in a block glibc serves from its heap (keep_freed_memory), else as PreSoftmax does, into
     the decoder's buffer. MKL's sgemm took 1.2-3x as long at a step's 8-320 rows (beams x sentences);
     above the limit each step's fresh output would be new pages from the OS, and there oneDNN was
-    1.03-1.09x slower than MKL into a kept buffer (`python -m bench.pre_softmax`, README "Speed"). The
-    other linear layers stay with MKL, as fast or faster at a few hundred rows."""
+    1.03-1.09x slower than MKL into a kept buffer (`python -m bench.cpu_decoding`, README "Speed"). The
+    decoder's linear layers do likewise at few rows (FewRowsLinear)."""
 
     def __init__(self, weight: Tensor) -> None:
         super().__init__(PackedLinear(weight, None))
