@@ -3,6 +3,7 @@ MarianMT `generate` and in CTranslate2, in one run.
 
     python -m bench.decode                                   # the pipeline's model on newstest2014
     python -m bench.decode --model M --vocab-dir V --source S --limit 500
+    python -m bench.decode --model M --vocab-dir V --source S --peers ctranslate2   # ours and CTranslate2 only
     python -m bench.decode --train-base N --work W --limit 500   # base size, trained here first: see below
 
 The model is exported with the export stage (so all three hold identical weights), then each system,
@@ -84,6 +85,7 @@ def _timed(work: Callable[[], list[str]]) -> tuple[float, list[str]]:
 
 
 SYSTEMS = ("ours (decode stage)", "transformers MarianMT generate", "CTranslate2")
+PEERS = {"transformers": SYSTEMS[1], "ctranslate2": SYSTEMS[2]}  # --peers names
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,12 @@ class Setup:
 
 
 def decode_all(model_path: Path, vocab_dir: Path, lines: list[str], beam: int, batch_tokens: int,
-               precisions: tuple[str, ...], tmp: Path, repeats: int = 1) -> tuple[list[Decoded], dict[str, str]]:
+               precisions: tuple[str, ...], tmp: Path, repeats: int = 1,
+               peers: tuple[str, ...] = SYSTEMS[1:]) -> tuple[list[Decoded], dict[str, str]]:
     """Every system at every precision on the same lines: ours (the decode stage), transformers
-    MarianMT generate and CTranslate2, from the same weights. Also returns, by system and precision,
-    why a peer could not run here (CTranslate2's wheel is built for one CUDA major version).
+    MarianMT generate and CTranslate2 (or those of `peers`), from the same weights. Also returns, by
+    system and precision, why a peer could not run here (CTranslate2's wheel is built for one CUDA
+    major version).
 
     Each system runs in a process of its own, as a user runs it: two of them in one process share
     its allocator settings and bring two OpenMP runtimes (one-off, base on 500 test2016 lines: ours
@@ -114,7 +118,8 @@ def decode_all(model_path: Path, vocab_dir: Path, lines: list[str], beam: int, b
     sp = vocab.load(vocab_dir)
     results, unavailable = [], {}
     for precision in precisions:
-        with _Workers(setup, precision, lines[:8]) as workers:  # warm-up: first calls, kernels chosen, caches filled
+        # lines[:8] warm each worker up: first calls, kernels chosen, caches filled
+        with _Workers(setup, precision, lines[:8], (SYSTEMS[0], *peers)) as workers:
             unavailable |= {f"{name} {precision}": why for name, why in workers.unavailable.items()}
             best, outputs = dict.fromkeys(workers.ready, float("inf")), {}
             for _ in range(repeats):  # in turn, so a slow spell of the machine does not fall on one system only
@@ -130,10 +135,10 @@ class _Workers:
     """One process per system, each loading its system and answering translation requests with
     (seconds, output lines); a system that cannot load here says why instead."""
 
-    def __init__(self, setup: Setup, precision: str, warm_up: list[str]) -> None:
+    def __init__(self, setup: Setup, precision: str, warm_up: list[str], systems: tuple[str, ...]) -> None:
         context = multiprocessing.get_context("spawn")  # no state of this process is inherited
         self.connections, self.processes, self.ready, self.unavailable = {}, [], [], {}
-        for name in SYSTEMS:
+        for name in systems:
             ours, theirs = context.Pipe()
             process = context.Process(target=_serve, args=(theirs, name, precision, setup, warm_up), daemon=True)
             process.start()
@@ -313,12 +318,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each system, taken in turn; the best counts")
     ap.add_argument("--precisions", type=lambda text: tuple(text.split(",")), default=("fp32",),
                     help=f"comma-separated, of {', '.join(CT2_TYPES)} (bf16 and fp16 for GPUs, int8 for CPUs)")
+    ap.add_argument("--peers", type=lambda text: tuple(text.split(",")), default=tuple(PEERS),
+                    help=f"comma-separated, of {', '.join(PEERS)}: the systems to run beside ours (a long "
+                         "transformers run between ours and CTranslate2's leaves time for the machine to drift)")
     ap.add_argument("--train-base", type=int, metavar="STEPS", help="train Transformer base this many steps first")
     ap.add_argument("--work", type=Path, help="where --train-base keeps its model (default: a temporary folder)")
     ap.add_argument("--corpus", choices=sorted(CORPORA), help="what --train-base trains on (default: multi30k)")
     args = ap.parse_args()
     if unknown := set(args.precisions) - set(CT2_TYPES):
         ap.error(f"--precisions: unknown {', '.join(sorted(unknown))} (known: {', '.join(CT2_TYPES)})")
+    if unknown := set(args.peers) - set(PEERS):
+        ap.error(f"--peers: unknown {', '.join(sorted(unknown))} (known: {', '.join(PEERS)})")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, not {args.repeats}")
     if args.train_base is not None and args.train_base < 1:
@@ -344,7 +354,8 @@ def main() -> None:
         if references is not None and len(references) != len(lines):
             ap.error(f"--reference {args.reference}: {len(references)} lines for {len(lines)} source lines")
         results, unavailable = decode_all(args.model, args.vocab_dir, lines, args.beam, args.batch_tokens,
-                                          args.precisions, Path(tmp), args.repeats)
+                                          args.precisions, Path(tmp), args.repeats,
+                                          tuple(PEERS[name] for name in PEERS if name in args.peers))
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
     print(f"{len(lines)} sentences of {args.source.name}, beam {args.beam}, {where}")
     print("\n".join(report(results, references)))
