@@ -91,7 +91,8 @@ class FewRowsLinear(nn.Module):
     a small batch) through oneDNN on weights packed once, else as nn.Linear (MKL). At a few rows the
     product is bound by reading W, which MKL's sgemm packs anew at every call: one sentence (4 rows)
     decoded 1.15-1.18x faster with oneDNN there, and about as fast or faster at every batch size with
-    the limit at 64 rows (one-off, README "Speed"); at hundreds of rows MKL was as fast or faster."""
+    the limit at 64 rows (one-off, README "Speed"); at hundreds of rows MKL was as fast or faster.
+    The packed copy is memory besides W: about 100 MB for base's decoder."""
 
     ROWS = 64
 
