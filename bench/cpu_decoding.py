@@ -15,10 +15,11 @@ in turn (best of --repeats), with the ratio and the largest difference of their 
   log-probabilities: best_candidates (the best chunks first) against a full top-k.
 --threads 1 shows what a second thread gives each.
 
-With a model: the decode stage's translator and the same model with nn.Linear and PreSoftmax back in
-place translate the first --limit lines of --source in one process, alternating for --rounds rounds;
-it prints the medians, their ratio and how many translations are the same (they should all be). Both
-search with best_candidates."""
+With a model: the decode stage's translator, the same model with nn.Linear back in place of
+FewRowsLinear, and with PreSoftmax too (plain) translate the first --limit lines of --source in one
+process, alternating for --rounds rounds; it prints the medians (and each one's range over the
+rounds: this machine drifts), their ratios and how many lines all three translate the same (they
+should all be). All search with best_candidates."""
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,8 @@ from pathlib import Path
 import torch
 
 from stages import vocab
-from stages.decode import DecodeParams, FewRowsLinear, PackedPreSoftmax, load_translator, translate
+from stages.decode import (
+    DecodeParams, FewRowsLinear, PackedPreSoftmax, load_translator, replace_modules, translate)
 from stages.devices import keep_freed_memory
 from stages.io import PipelineError, read_lines
 from transformer.beam_search import best_candidates
@@ -106,17 +108,16 @@ def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds
     packed = load_translator(model_path, torch.device("cpu"))
     if not isinstance(packed.pre_softmax, PackedPreSoftmax):
         raise SystemExit("this PyTorch has no oneDNN (torch.backends.mkldnn): the decode stage uses MKL alone")
+    projection_only = load_translator(model_path, torch.device("cpu"))
+    replace_modules(projection_only, FewRowsLinear, lambda layer: layer.linear)
     plain = load_translator(model_path, torch.device("cpu"))
+    replace_modules(plain, FewRowsLinear, lambda layer: layer.linear)
     plain.pre_softmax = PreSoftmax()
-    for module in list(plain.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, FewRowsLinear):
-                setattr(module, name, child.linear)
     sp = vocab.load(vocab_dir)
     lines = list(read_lines(source))[:limit]
     params = DecodeParams(beam_size=4, length_penalty=0.6, length_penalty_formula="power", stop="finished",
                           max_length_extra=50, batch_tokens=batch_tokens)
-    models = {"plain (MKL)": plain, "decode stage": packed}
+    models = {"plain (MKL)": plain, "+ PackedPreSoftmax": projection_only, "decode stage": packed}
     times: dict[str, list[float]] = {name: [] for name in models}
     outputs: dict[str, list[str]] = {}
     for model in models.values():
@@ -127,12 +128,15 @@ def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds
             outputs[name] = translate(model, sp, lines, params, name)
             times[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(t) for name, t in times.items()}
-    same = sum(a == b for a, b in zip(*outputs.values(), strict=True)) / len(lines)
+    same = sum(len(set(translations)) == 1 for translations in zip(*outputs.values(), strict=True)) / len(lines)
     print(f"{len(lines)} lines of {source.name}, beam 4, batches of {batch_tokens} source tokens, "
           f"{torch.get_num_threads()} threads, medians of {rounds}:")
     for name, median in medians.items():
-        print(f"  {name:<14} {median * 1e3:8.0f} ms")
-    print(f"  plain / decode stage: {medians['plain (MKL)'] / medians['decode stage']:.2f}x, "
+        low, high = min(times[name]) * 1e3, max(times[name]) * 1e3
+        print(f"  {name:<18} {median * 1e3:8.0f} ms  (rounds {low:.0f}-{high:.0f}; "
+              f"plain / this: {medians['plain (MKL)'] / median:.2f}x)")
+    print(f"  FewRowsLinear alone (+ PackedPreSoftmax / decode stage): "
+          f"{medians['+ PackedPreSoftmax'] / medians['decode stage']:.2f}x, "
           f"same translations: {same:.1%}")
 
 

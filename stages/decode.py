@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -61,15 +61,15 @@ def load_translator(model_path: str | Path, device: torch.device, precision: str
         return quantize_int8(model.eval())
     if device.type == "cpu" and precision == "fp32" and torch.backends.mkldnn.is_available():
         model.pre_softmax = PackedPreSoftmax(model.embed.weight)
-        _replace_linears(model.decoder, FewRowsLinear)
+        replace_modules(model.decoder, nn.Linear, FewRowsLinear)
     return model.to(device=device, dtype=DTYPES[precision]).eval()
 
 
-def _replace_linears(root: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
-    """Every nn.Linear under `root` becomes make(it), in place."""
+def replace_modules(root: nn.Module, kind: type[nn.Module], make: Callable[[Any], nn.Module]) -> None:
+    """Every module of type `kind` under `root` becomes make(it), in place."""
     for module in list(root.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, kind):
                 setattr(module, name, make(child))
 
 
@@ -159,7 +159,7 @@ class PackedPreSoftmax(LinearPreSoftmax):
 
 def quantize_int8(model: Transformer) -> Transformer:
     """Every linear layer and the pre-softmax projection of `model` (on the CPU) in int8, in place."""
-    _replace_linears(model, lambda linear: Int8Linear(linear.weight, linear.bias))
+    replace_modules(model, nn.Linear, lambda linear: Int8Linear(linear.weight, linear.bias))
     model.pre_softmax = LinearPreSoftmax(Int8Linear(model.embed.weight, None))
     return model
 
