@@ -90,8 +90,8 @@ class FewRowsLinear(nn.Module):
     """A decoder linear layer of fp32 decoding on CPUs: up to ROWS rows (beams x sentences, a step of
     a small batch) through oneDNN on weights packed once, else as nn.Linear (MKL). At a few rows the
     product is bound by reading W, which MKL's sgemm packs anew at every call: one sentence (4 rows)
-    decoded 1.15-1.18x faster with oneDNN there, and about as fast or faster at every batch size with
-    the limit at 64 rows (one-off, README "Speed"); at hundreds of rows MKL was as fast or faster.
+    decoded 1.09-1.12x faster, 20 sentences 1.03-1.04x, 1000 within the machine's drift
+    (`python -m bench.cpu_decoding`, README "Speed"); at hundreds of rows MKL was as fast or faster.
     The packed copy is memory besides W: about 100 MB for base's decoder."""
 
     ROWS = 64
