@@ -52,9 +52,8 @@ def load_translator(model_path: str | Path, device: torch.device, precision: str
     decode.precision."""
     if precision == "int8" and device.type != "cpu":
         raise PipelineError(f"decode.precision int8 runs on CPUs only, not on {device.type}: bf16 or fp16 there")
-    weights, meta = read_model(model_path)
-    model = Transformer(meta.config, meta.vocab_size, vocab.PAD_ID)
-    model.load_state_dict(weights)
+    model = read_transformer(model_path)
+    model.fuse_projections()
     if device.type == "cuda":
         use_fast_attention()
     if precision == "int8":
@@ -63,6 +62,14 @@ def load_translator(model_path: str | Path, device: torch.device, precision: str
         model.pre_softmax = PackedPreSoftmax(model.embed.weight)
         replace_modules(model.decoder, nn.Linear, FewRowsLinear)
     return model.to(device=device, dtype=DTYPES[precision]).eval()
+
+
+def read_transformer(model_path: str | Path) -> Transformer:
+    """The model as trained (fp32, on the CPU, in training mode), from an averaged model or a checkpoint."""
+    weights, meta = read_model(model_path)
+    model = Transformer(meta.config, meta.vocab_size, vocab.PAD_ID)
+    model.load_state_dict(weights)
+    return model
 
 
 def replace_modules(root: nn.Module, kind: type[nn.Module], make: Callable[[Any], nn.Module]) -> None:

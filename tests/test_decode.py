@@ -48,26 +48,25 @@ def test_decode_batch_size_does_not_change_translations(averaged, vocab_dir, cle
 
 
 def test_fp32_on_cpus_runs_the_decoder_and_projection_on_packed_weights_as_the_plain_model(averaged):
-    weights, meta = read_model(averaged[0])
-    plain = decode.Transformer(meta.config, meta.vocab_size, vocab.PAD_ID).eval()
-    plain.load_state_dict(weights)
+    plain = decode.read_transformer(averaged[0]).eval()
     packed = decode.load_translator(averaged[0], torch.device("cpu"))
     assert isinstance(packed.pre_softmax, decode.PackedPreSoftmax)
     few_rows = [m for m in packed.decoder.modules() if isinstance(m, decode.FewRowsLinear)]
-    assert len(few_rows) == 10 * meta.config.decoder_layers  # q, k, v, out of both attentions, and the feed-forward
+    # self-attention's fused q, k and v and its output, cross-attention's four, and the feed-forward's two
+    assert len(few_rows) == 8 * plain.config.decoder_layers
     assert not any(isinstance(m, decode.FewRowsLinear) for m in packed.encoder.modules())
     ffn = packed.decoder[0].ffn.net[0]
     for rows in (4, ffn.ROWS + 1):  # oneDNN's packed weights, then MKL's product
-        x = torch.randn(rows, 1, meta.config.d_model)
+        x = torch.randn(rows, 1, plain.config.d_model)
         with torch.inference_mode():
             torch.testing.assert_close(ffn(x), torch.nn.functional.linear(x, plain.decoder[0].ffn.net[0].weight,
                                                                           plain.decoder[0].ffn.net[0].bias))
-    src, tgt = torch.randint(4, meta.vocab_size, (3, 9)), torch.randint(4, meta.vocab_size, (3, 6))
+    src, tgt = torch.randint(4, plain.vocab_size, (3, 9)), torch.randint(4, plain.vocab_size, (3, 6))
     with torch.inference_mode():
         torch.testing.assert_close(packed(src, tgt), plain(src, tgt), rtol=1e-5, atol=1e-5)
         # logits larger than the heap's blocks go into the decoder's buffer, the same numbers
-        rows = decode.HEAP_BLOCK_LIMIT // (4 * meta.vocab_size) + 1
-        x, buffer = torch.randn(rows, 1, meta.config.d_model), torch.empty(rows, 1, meta.vocab_size)
+        rows = decode.HEAP_BLOCK_LIMIT // (4 * plain.vocab_size) + 1
+        x, buffer = torch.randn(rows, 1, plain.config.d_model), torch.empty(rows, 1, plain.vocab_size)
         expected = torch.nn.functional.linear(x, plain.embed.weight)
         assert packed.pre_softmax(x, packed.embed.weight, buffer).data_ptr() == buffer.data_ptr()
         torch.testing.assert_close(buffer, expected, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
 """The model's masks, cached decoding and beam search."""
+import copy
 import dataclasses
 import math
 
@@ -145,6 +146,34 @@ def test_batched_beam_search_equals_one_by_one(stop):
         alone = _search(model, s[None], 4, stop=stop)[0]
         assert alone[0].tokens == hyps[0].tokens
         assert alone[0].score == pytest.approx(hyps[0].score, abs=1e-4)
+
+
+@pytest.mark.parametrize("head_sizes", [{}, {"d_k": 4, "d_v": 12}])
+def test_fused_self_attention_projections_compute_what_the_three_did(head_sizes):
+    model = tiny_model(seed=9)
+    if head_sizes:
+        torch.manual_seed(9)
+        model = Transformer(dataclasses.replace(model.config, **head_sizes), vocab_size=23, pad_id=PAD).eval()
+    fused = copy.deepcopy(model)
+    fused.fuse_projections()
+    for layer in (*fused.encoder, *fused.decoder):
+        assert not hasattr(layer.self_attn, "q_proj") and layer.self_attn.qkv_proj is not None
+    assert fused.decoder[0].cross_attn.qkv_proj is None  # keys and values from the source: not fusable
+    src = torch.randint(4, 23, (3, 7))
+    src[1, 4:] = PAD
+    tokens = torch.cat([torch.full((3, 1), BOS), torch.randint(4, 23, (3, 5))], dim=1)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(src, tokens), model(src, tokens), atol=1e-5, rtol=1e-5)
+        for unpadded in (False, True):
+            torch.testing.assert_close(fused.encode(src, unpadded)[0], model.encode(src, unpadded)[0],
+                                       atol=1e-5, rtol=1e-5)
+        steps = {}
+        for m in (model, fused):
+            decoder = IncrementalDecoder(m, src)
+            steps[m] = torch.stack([decoder.step(tokens[:, : t + 1]).clone() for t in range(tokens.size(1))], 1)
+        torch.testing.assert_close(steps[fused], steps[model], atol=1e-5, rtol=1e-5)
+    assert [[h.tokens for h in hs] for hs in _search(fused, src, 4)] == \
+        [[h.tokens for h in hs] for hs in _search(model, src, 4)]
 
 
 class ScriptedDecoder:

@@ -89,15 +89,39 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, n_heads * d_k)
         self.v_proj = nn.Linear(d_model, n_heads * d_v)
         self.out_proj = nn.Linear(n_heads * d_v, d_model)
+        self.qkv_proj: nn.Module | None = None  # q, k and v of self-attention in one: fuse_projections
+
+    def fuse_projections(self) -> None:
+        """Project queries, keys and values of self-attention (query is memory) in one product of
+        3x the width, for inference: decoding a few sentences, each product's fixed cost outweighs its
+        work. The three layers' weights move into it, so later changes to it are not seen by them."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        fused = nn.Linear(self.q_proj.in_features, sum(p.out_features for p in projections),
+                          device=self.q_proj.weight.device, dtype=self.q_proj.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([p.weight for p in projections]))
+            fused.bias.copy_(torch.cat([p.bias for p in projections]))
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
 
     def _heads(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape  # (B, T, n_heads * d) -> (B, n_heads, T, d)
         return x.view(b, t, self.n_heads, -1).transpose(1, 2)
 
-    def _keys_values(self, memory: Tensor, cache: KVCache | None, static_memory: bool) -> tuple[Tensor, Tensor]:
-        if cache is not None and static_memory and cache.k is not None and cache.v is not None:
+    def _projections(self, query: Tensor, memory: Tensor, cached_memory: bool) -> tuple[Tensor, ...]:
+        """q (N, Tq, n_heads * d_k), k and v (B, Tk, n_heads * d), or q alone when the cache holds them."""
+        if self.qkv_proj is not None:
+            assert memory is query, "fused projections serve self-attention only"
+            return self.qkv_proj(query).split([self.n_heads * self.d_k] * 2 + [self.n_heads * self.d_v], -1)
+        if cached_memory:
+            return (self.q_proj(query),)
+        return self.q_proj(query), self.k_proj(memory), self.v_proj(memory)
+
+    def _keys_values(self, kv: tuple[Tensor, ...], cache: KVCache | None) -> tuple[Tensor, Tensor]:
+        if not kv:
+            assert cache is not None and cache.k is not None and cache.v is not None
             return cache.k, cache.v  # encoder-decoder attention: the source's keys and values, computed once
-        k, v = self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))
+        k, v = (self._heads(x) for x in kv)
         if isinstance(cache, GrowingKVCache):  # self-attention: append
             return cache.append(k, v)
         if cache is not None:  # contiguous, so that each step's products read them without a copy
@@ -127,11 +151,13 @@ class MultiHeadAttention(nn.Module):
         packing: query and memory are the same tokens without padding, (n, D) (self-attention
         without a cache); the result is (n, D) too.
         """
+        cached_memory = static_memory and cache is not None and cache.k is not None
+        q, *kv = self._projections(query, memory, cached_memory)
         if packing is not None:
-            q, k, v = (self._heads(packing.unpack(proj(query))) for proj in (self.q_proj, self.k_proj, self.v_proj))
+            q, k, v = (self._heads(packing.unpack(x)) for x in (q, *kv))
         else:
-            q = self._heads(self.q_proj(query))  # (N, n_heads, Tq, d_k)
-            k, v = self._keys_values(memory, cache, static_memory)  # (B, n_heads, Tk, d)
+            q = self._heads(q)  # (N, n_heads, Tq, d_k)
+            k, v = self._keys_values(tuple(kv), cache)  # (B, n_heads, Tk, d)
         n, _, tq, _ = q.shape
         b = k.size(0)
         beams = n // b

@@ -102,6 +102,12 @@ class Transformer(nn.Module):
         memory, src_pad = self.encode(src)
         return self.decode(tgt_in, memory, src_pad)
 
+    def fuse_projections(self) -> None:
+        """Every self-attention's queries, keys and values in one product, for inference (see
+        MultiHeadAttention.fuse_projections); the state dict then has qkv_proj in their place."""
+        for layer in (*self.encoder, *self.decoder):
+            layer.self_attn.fuse_projections()
+
 
 class DecoderCache:
     """Every decoder layer's keys and values while decoding: the self-attention's per hypothesis
