@@ -15,11 +15,12 @@ in turn (best of --repeats), with the ratio and the largest difference of their 
   log-probabilities: best_candidates (the best chunks first) against a full top-k.
 --threads 1 shows what a second thread gives each.
 
-With a model: the decode stage's translator, the same model with nn.Linear back in place of
-FewRowsLinear, and with PreSoftmax too (plain) translate the first --limit lines of --source in one
-process, alternating for --rounds rounds; it prints the medians (and each one's range over the
-rounds: this machine drifts), their ratios and how many lines all three translate the same (they
-should all be). All search with best_candidates."""
+With a model, four translators of it, each with one change more than the one before, translate the
+first --limit lines of --source in one process, alternating for --rounds rounds: plain (the model as
+trained: nn.Linear, PreSoftmax), + PackedPreSoftmax, + FewRowsLinear, + self-attention's q, k and v in
+one product (fuse_projections: the decode stage's translator). It prints the medians (and each
+one's range over the rounds: this machine drifts), each change's own ratio and how many lines all four
+translate the same (they should all be). All search with best_candidates."""
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from stages import vocab
 from stages.decode import (
-    DecodeParams, FewRowsLinear, PackedPreSoftmax, load_translator, replace_modules, translate)
+    DecodeParams, FewRowsLinear, PackedPreSoftmax, load_translator, read_transformer, replace_modules, translate)
 from stages.devices import keep_freed_memory
 from stages.io import PipelineError, read_lines
 from transformer.beam_search import best_candidates
@@ -105,19 +107,19 @@ def selection(vocab_sizes: list[int], sentences: list[int], repeats: int, beams:
 
 @torch.inference_mode()
 def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds: int, batch_tokens: int) -> None:
-    packed = load_translator(model_path, torch.device("cpu"))
-    if not isinstance(packed.pre_softmax, PackedPreSoftmax):
+    stage = load_translator(model_path, torch.device("cpu"))
+    if not isinstance(stage.pre_softmax, PackedPreSoftmax):
         raise SystemExit("this PyTorch has no oneDNN (torch.backends.mkldnn): the decode stage uses MKL alone")
-    projection_only = load_translator(model_path, torch.device("cpu"))
-    replace_modules(projection_only, FewRowsLinear, lambda layer: layer.linear)
-    plain = load_translator(model_path, torch.device("cpu"))
-    replace_modules(plain, FewRowsLinear, lambda layer: layer.linear)
-    plain.pre_softmax = PreSoftmax()
+    plain, projection, few_rows = (read_transformer(model_path).eval() for _ in range(3))
+    for model in (projection, few_rows):
+        model.pre_softmax = PackedPreSoftmax(model.embed.weight)
+    replace_modules(few_rows.decoder, nn.Linear, FewRowsLinear)
     sp = vocab.load(vocab_dir)
     lines = list(read_lines(source))[:limit]
     params = DecodeParams(beam_size=4, length_penalty=0.6, length_penalty_formula="power", stop="finished",
                           max_length_extra=50, batch_tokens=batch_tokens)
-    models = {"plain (MKL)": plain, "+ PackedPreSoftmax": projection_only, "decode stage": packed}
+    models = {"plain": plain, "+ PackedPreSoftmax": projection, "+ FewRowsLinear": few_rows,
+              "+ fused q, k, v": stage}  # the last is the decode stage's translator
     times: dict[str, list[float]] = {name: [] for name in models}
     outputs: dict[str, list[str]] = {}
     for model in models.values():
@@ -131,13 +133,13 @@ def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds
     same = sum(len(set(translations)) == 1 for translations in zip(*outputs.values(), strict=True)) / len(lines)
     print(f"{len(lines)} lines of {source.name}, beam 4, batches of {batch_tokens} source tokens, "
           f"{torch.get_num_threads()} threads, medians of {rounds}:")
+    previous = medians["plain"]
     for name, median in medians.items():
         low, high = min(times[name]) * 1e3, max(times[name]) * 1e3
-        print(f"  {name:<18} {median * 1e3:8.0f} ms  (rounds {low:.0f}-{high:.0f}; "
-              f"plain / this: {medians['plain (MKL)'] / median:.2f}x)")
-    print(f"  FewRowsLinear alone (+ PackedPreSoftmax / decode stage): "
-          f"{medians['+ PackedPreSoftmax'] / medians['decode stage']:.2f}x, "
-          f"same translations: {same:.1%}")
+        print(f"  {name:<18} {median * 1e3:8.0f} ms  (rounds {low:.0f}-{high:.0f}; this change alone "
+              f"{previous / median:.2f}x, plain / this {medians['plain'] / median:.2f}x)")
+        previous = median
+    print(f"  same translations: {same:.1%}")
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:
