@@ -156,6 +156,7 @@ def test_fused_self_attention_projections_compute_what_the_three_did(head_sizes)
         model = Transformer(dataclasses.replace(model.config, **head_sizes), vocab_size=23, pad_id=PAD).eval()
     fused = copy.deepcopy(model)
     fused.fuse_projections()
+    fused.fuse_projections()  # already fused: nothing more to do
     for layer in (*fused.encoder, *fused.decoder):
         assert not hasattr(layer.self_attn, "q_proj") and layer.self_attn.qkv_proj is not None
     assert fused.decoder[0].cross_attn.qkv_proj is None  # keys and values from the source: not fusable

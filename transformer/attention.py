@@ -94,7 +94,10 @@ class MultiHeadAttention(nn.Module):
     def fuse_projections(self) -> None:
         """Project queries, keys and values of self-attention (query is memory) in one product of
         3x the width, for inference: decoding a few sentences, each product's fixed cost outweighs its
-        work. The three layers' weights move into it, so later changes to it are not seen by them."""
+        work. The three layers are removed, so the state dict is no longer the checkpoint format: the
+        decode stage fuses a model it read, and saves nothing of it. A second call does nothing."""
+        if self.qkv_proj is not None:
+            return
         projections = (self.q_proj, self.k_proj, self.v_proj)
         fused = nn.Linear(self.q_proj.in_features, sum(p.out_features for p in projections),
                           device=self.q_proj.weight.device, dtype=self.q_proj.weight.dtype)
