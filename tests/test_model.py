@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from transformer import IncrementalDecoder, Transformer, TransformerConfig, beam_search, inverse_sqrt_rate
+import transformer.attention as attention
 import transformer.loss as loss_module
 from transformer.beam_search import STOPS, best_candidates
 from transformer.loss import label_smoothed_nll_loss
@@ -70,6 +71,13 @@ def test_shared_embedding_is_the_output_projection():
     assert sum(p.numel() for p in model.parameters() if p.shape == (23, 32)) == 23 * 32
 
 
+@pytest.fixture(params=["products", "fused"])
+def decoding_attention(request, monkeypatch):
+    """Decoding's attention through two batched products, then through the fused kernel, whatever the size."""
+    monkeypatch.setattr(attention, "fused_decoding_is_faster", lambda *shape: request.param == "fused")
+
+
+@pytest.mark.usefixtures("decoding_attention")
 def test_cached_decoding_equals_full_decoding():
     model = tiny_model()
     src = torch.randint(4, 23, (3, 8))
@@ -124,6 +132,7 @@ def _search(model, src, beam, use_cache=True, alpha=0.6, stop="exact"):
         return beam_search(decoder, src.size(0), beam, lengths, BOS, EOS, alpha, stop=stop)
 
 
+@pytest.mark.usefixtures("decoding_attention")
 @pytest.mark.parametrize("stop", STOPS)
 def test_beam_search_with_cache_equals_without(stop):
     model = tiny_model(seed=3)

@@ -77,6 +77,35 @@ class GrowingKVCache(KVCache):
         return self.k, self.v
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, *, fused: bool = True,
+           causal: bool = False, dropout: float = 0.0) -> Tensor:
+    """softmax(q k^T / sqrt(d_k)) v: q (B, n_heads, Tq, d_k), k (B, n_heads, Tk, d_k), v (B, n_heads, Tk, d_v)
+    -> (B, n_heads, Tq, d_v); key_padding_mask (B, Tk), True where a key must get no weight. Fused: one
+    call of scaled_dot_product_attention. Otherwise two batched products, for decoding (no causal mask,
+    no dropout), which are faster on CPUs at large batches (see fused_decoding_is_faster)."""
+    if fused:
+        mask = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]  # True = may attend
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+    assert not causal and dropout == 0.0, "the two products serve decoding only"
+    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (B, n_heads, Tq, Tk)
+    if key_padding_mask is not None:
+        scores.masked_fill_(key_padding_mask[:, None, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def fused_decoding_is_faster(rows: int, queries: int, keys: int) -> bool:
+    """Whether a decoding step attends faster on CPUs with the fused kernel than with two batched
+    products: `rows` queries per head in all (beams x sentences), `queries` per matrix (1 in
+    self-attention, where each row has its own keys; the beams in attention to the source, which they
+    share), `keys` per matrix. The fused kernel is one call where the products take four or five, which
+    decides at a few rows. Above, the products were up to 2.7x faster, except in self-attention against
+    fewer than 8 keys (the first steps), which MKL's batched product runs at a fraction of its speed
+    (`python -m bench.cpu_decoding`, README "Speed")."""
+    if queries == 1:
+        return rows <= 64 or keys < 8
+    return rows <= 16
+
+
 class MultiHeadAttention(nn.Module):
     """h heads, each projecting queries and keys to d_k and values to d_v (the paper: d_k = d_v =
     d_model / h = 64; Table 3 rows (A) and (B) vary them)."""
@@ -166,18 +195,11 @@ class MultiHeadAttention(nn.Module):
         beams = n // b
         if beams > 1:  # the beams of a sentence ask one source together: (B, n_heads, beams * Tq, d_k)
             q = q.view(b, beams, self.n_heads, tq, -1).transpose(1, 2).reshape(b, self.n_heads, beams * tq, -1)
-        if cache is not None:
-            # Decoding: one new query per row (the self-attention's sees only the past, so it needs no
-            # mask). Two batched products are about twice as fast as the fused kernel on CPUs at this shape.
-            scores = q @ k.transpose(-1, -2) * self.d_k**-0.5  # (B, n_heads, beams * Tq, Tk)
-            if key_padding_mask is not None:
-                scores.masked_fill_(key_padding_mask[:, None, None, :], float("-inf"))
-            y = torch.softmax(scores, dim=-1) @ v
-        else:
-            mask = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]  # True = may attend
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
-            )  # (B, n_heads, beams * Tq, d_v)
+        # Decoding (a cache): the new queries see every key so far (the self-attention's see only the
+        # past), so no causal mask.
+        fused = cache is None or fused_decoding_is_faster(q.size(0) * q.size(2), q.size(2), k.size(2))
+        y = attend(q, k, v, key_padding_mask, fused=fused, causal=causal and cache is None,
+                   dropout=self.dropout if self.training else 0.0)  # (B, n_heads, beams * Tq, d_v)
         y = y.view(b, self.n_heads, beams, tq, self.d_v).permute(0, 2, 3, 1, 4)  # (B, beams, Tq, n_heads, d_v)
         y = y.reshape(n, tq, self.n_heads * self.d_v)
         return self.out_proj(y if packing is None else packing.pack(y))
