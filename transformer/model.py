@@ -138,18 +138,14 @@ class IncrementalDecoder:
         self.memory, self.src_pad = model.encode(src, unpadded=True)  # (B, S, d_model), (B, S)
         self.cache = DecoderCache(len(model.decoder)) if use_cache else None
         self.never = torch.tensor(sorted({model.pad_id, *never}), device=src.device)
-        # Logits and log-probabilities are written into these, the largest tensors of a step: on CPUs
-        # a fresh one each step costs about as much as the output projection (new pages from the OS).
+        # Logits are written into this, the largest tensor of a step: on CPUs a fresh one each step
+        # costs about as much as the output projection (new pages from the OS).
         self._logits: Tensor | None = None
-        self._log_probs: Tensor | None = None
 
-    def _buffers(self, n: int) -> tuple[Tensor, Tensor]:
-        vocab, weight = self.model.vocab_size, self.model.embed.weight
+    def _buffer(self, n: int) -> Tensor:
         if self._logits is None or self._logits.size(0) < n:
-            self._logits = weight.new_empty(n, 1, vocab)
-            self._log_probs = torch.empty(n, vocab, device=weight.device)
-        assert self._log_probs is not None
-        return self._logits[:n], self._log_probs[:n]
+            self._logits = self.model.embed.weight.new_empty(n, 1, self.model.vocab_size)
+        return self._logits[:n]
 
     def step(self, tokens: Tensor) -> Tensor:
         """tokens (N, t), every prefix so far, N = beams x B -> log-probabilities of the next token (N,
@@ -157,10 +153,11 @@ class IncrementalDecoder:
         if self.cache is None:
             logits = self.model.decode(tokens, self.memory, self.src_pad)[:, -1]
             return torch.log_softmax(logits.float().index_fill_(-1, self.never, float("-inf")), dim=-1)
-        logits, log_probs = self._buffers(tokens.size(0))
         t = tokens.size(1)
-        logits = self.model.decode(tokens[:, -1:], self.memory, self.src_pad, self.cache, offset=t - 1, out=logits)
-        return torch.log_softmax(logits[:, 0].float().index_fill_(-1, self.never, float("-inf")), -1, out=log_probs)
+        logits = self.model.decode(tokens[:, -1:], self.memory, self.src_pad, self.cache, offset=t - 1,
+                                   out=self._buffer(tokens.size(0)))
+        x = logits[:, 0].float().index_fill_(-1, self.never, float("-inf"))
+        return torch.log_softmax(x, -1, out=x)  # in place: each row is read whole before it is written
 
     def reorder(self, order: Tensor, sentences: Tensor | None = None) -> None:
         """Keep the hypothesis rows `order` (N,) as beam search chose them, and the sentences'
