@@ -9,8 +9,12 @@ in turn (best of --repeats), with the ratio and the largest difference of their 
 - the pre-softmax projection d_model -> vocabulary: PackedPreSoftmax (oneDNN on weights packed once;
   above 32 MB of logits MKL into a buffer kept across steps) against MKL into that buffer (PreSoftmax),
   and the ratio oneDNN would give without the size limit;
-- the decoder's linear layers (d_model -> d_model, -> d_ff, d_ff -> d_model): FewRowsLinear (oneDNN on
-  packed weights up to its ROWS, MKL above) against nn.Linear (MKL);
+- a step's linear layers of a --decoder-layers deep decoder, in the order a step runs them (so each
+  weight comes from memory, as in decoding): FewRowsLinear (oneDNN on packed weights up to its ROWS,
+  MKL above) against nn.Linear (MKL);
+- a step's attention at --keys keys, self-attention (one query per matrix) and attention to the source
+  (4 beams per matrix): the fused kernel against two batched products, and which the decode stage
+  takes (fused_decoding_is_faster);
 - beam search's choice of each sentence's best 2K extensions from (sentences, 4 beams, vocabulary)
   log-probabilities: best_candidates (the best chunks first) against a full top-k.
 --threads 1 shows what a second thread gives each.
@@ -37,6 +41,7 @@ from stages.decode import (
     DecodeParams, FewRowsLinear, PackedPreSoftmax, load_translator, read_transformer, replace_modules, translate)
 from stages.devices import keep_freed_memory
 from stages.io import PipelineError, read_lines
+from transformer.attention import attend, fused_decoding_is_faster
 from transformer.beam_search import best_candidates
 from transformer.model import PreSoftmax
 
@@ -70,19 +75,55 @@ def projection(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> 
                   f"{mkl / onednn:.2f}x  (largest difference {error:.1e})")
 
 
-def linear_layers(d_model: int, d_ff: int, rows: list[int], repeats: int) -> None:
+def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats: int) -> None:
+    """A decoding step's linear layers in the decoder's order, each weight read once, as a step reads them
+    (from memory, not from cache: the products at a few rows are bound by that)."""
     torch.manual_seed(0)
-    for n_in, n_out in ((d_model, d_model), (d_model, d_ff), (d_ff, d_model)):
-        plain = torch.nn.Linear(n_in, n_out)
-        ours = FewRowsLinear(plain)
-        for n in rows:
-            x = torch.randn(n, 1, n_in)
-            mkl, packed = _best(lambda: plain(x), repeats), _best(lambda: ours(x), repeats)
-            error = float((ours(x) - plain(x)).abs().max())
-            flops = 2 * n * n_in * n_out
-            print(f"{n_in:>5} -> {n_out:<6} {n:>5} rows: nn.Linear {mkl * 1e6:7.0f} us ({flops / mkl / 1e9:4.0f} "
-                  f"GFLOP/s), FewRowsLinear {packed * 1e6:7.0f} us ({flops / packed / 1e9:4.0f}): {mkl / packed:.2f}x"
-                  f"  (largest difference {error:.1e})")
+    per_layer = [(d_model, 3 * d_model), (d_model, d_model),  # self-attention: fused q, k, v; output
+                 (d_model, d_model), (d_model, d_model),  # attention to the source: query; output
+                 (d_model, d_ff), (d_ff, d_model)]  # feed-forward
+    plain = [nn.Linear(n_in, n_out) for n_in, n_out in per_layer * layers]
+    ours = [FewRowsLinear(linear) for linear in plain]
+    megabytes = sum(linear.weight.nbytes for linear in plain) / 2**20
+    for n in rows:
+        inputs = {width: torch.randn(n, 1, width) for width in (d_model, d_ff)}
+
+        def step(modules: list[nn.Module]) -> list[torch.Tensor]:
+            return [module(inputs[linear.in_features]) for module, linear in zip(modules, plain, strict=True)]
+
+        mkl, packed = _best(lambda: step(plain), repeats), _best(lambda: step(ours), repeats)
+        error = max(float((a - b).abs().max()) for a, b in zip(step(ours), step(plain), strict=True))
+        print(f"{layers} layers of d_model {d_model}, d_ff {d_ff} ({megabytes:.0f} MB of weights), {n:>5} rows: "
+              f"nn.Linear {mkl * 1e3:7.2f} ms, FewRowsLinear {packed * 1e3:7.2f} ms"
+              f"{'' if n <= FewRowsLinear.ROWS else ' (nn.Linear above its ROWS)'}: {mkl / packed:.2f}x"
+              f"  (largest difference {error:.1e})")
+
+
+def attention_kernels(d_model: int, heads: int, rows: list[int], keys: list[int], repeats: int,
+                      beams: int = 4) -> None:
+    """A decoding step's attention, the fused kernel against two batched products: self-attention (one
+    query per matrix, each row its own keys) and attention to the source (a sentence's beams against its
+    keys, the last two padding), and which of the two the decode stage takes."""
+    torch.manual_seed(0)
+    d = d_model // heads
+    for n in rows:
+        for t in keys:
+            sentences = max(n // beams, 1)
+            self_qkv = [torch.randn(n, heads, 1, d)] + [torch.randn(n, heads, t, d) for _ in range(2)]
+            source_qkv = [torch.randn(sentences, heads, beams, d)] + [torch.randn(sentences, heads, t, d)
+                                                                      for _ in range(2)]
+            padding = torch.zeros(sentences, t, dtype=torch.bool)
+            padding[:, max(t - 2, 1):] = True
+            cells = []
+            for name, (q, k, v), mask in (("self", self_qkv, None), ("source", source_qkv, padding)):
+                products = _best(lambda: attend(q, k, v, mask, fused=False), repeats)
+                fused = _best(lambda: attend(q, k, v, mask, fused=True), repeats)
+                error = float((attend(q, k, v, mask, fused=False) - attend(q, k, v, mask)).abs().max())
+                pick = fused_decoding_is_faster(q.size(0) * q.size(2), q.size(2), t)
+                cells.append(f"{name}: products {products * 1e6:6.0f} us, fused {fused * 1e6:6.0f} us "
+                             f"({products / fused:.2f}x, takes {'fused' if pick else 'products'}; "
+                             f"difference {error:.0e})")
+            print(f"{n:>5} rows, {t:>3} keys: " + "; ".join(cells))
 
 
 def selection(vocab_sizes: list[int], sentences: list[int], repeats: int, beams: int = 4) -> None:
@@ -154,6 +195,9 @@ def main() -> None:
     ap.add_argument("--layers", default="256x1024,512x2048", help="d_model x d_ff, comma-separated")
     ap.add_argument("--sentences", default="1,5,20,80,250", help="sentences per step of the selection")
     ap.add_argument("--rows", default="8,20,80,320,1000", help="rows per step (beams x sentences), comma-separated")
+    ap.add_argument("--keys", default="4,15,40", help="keys per attention matrix (positions so far, or the "
+                    "source's), comma-separated")
+    ap.add_argument("--decoder-layers", type=int, default=6, help="decoder layers whose linear layers a step runs")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--model", type=Path, help="a model (.safetensors or .pt) to decode with as well")
@@ -166,21 +210,24 @@ def main() -> None:
     try:
         shapes, layers = _pairs(args.shapes), _pairs(args.layers)
         rows, sentences = [int(n) for n in args.rows.split(",")], [int(n) for n in args.sentences.split(",")]
+        keys = [int(n) for n in args.keys.split(",")]
     except ValueError:
-        shapes, layers, rows, sentences = [], [], [], []
-    if not (shapes and layers and rows and sentences) or min(rows + sentences) < 1:
-        ap.error(f"--shapes and --layers are pairs such as 256x8000, --rows and --sentences whole numbers above 0: "
-                 f"{args.shapes!r}, {args.layers!r}, {args.rows!r}, {args.sentences!r}")
+        shapes, layers, rows, sentences, keys = [], [], [], [], []
+    if not (shapes and layers and rows and sentences and keys) or min(rows + sentences + keys) < 1:
+        ap.error(f"--shapes and --layers are pairs such as 256x8000, --rows, --sentences and --keys whole numbers "
+                 f"above 0: {args.shapes!r}, {args.layers!r}, {args.rows!r}, {args.sentences!r}, {args.keys!r}")
     if args.model and not (args.vocab_dir and args.source):
         ap.error("--model needs --vocab-dir and --source too")
-    for name in ("repeats", "threads", "limit", "rounds", "batch_tokens"):
+    for name in ("repeats", "threads", "limit", "rounds", "batch_tokens", "decoder_layers"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
     projection(shapes, rows, args.repeats)
     for d_model, d_ff in layers:
-        linear_layers(d_model, d_ff, rows, args.repeats)
+        linear_layers(d_model, d_ff, args.decoder_layers, rows, args.repeats)
+    for d_model, _ in layers:
+        attention_kernels(d_model, d_model // 64, rows, keys, args.repeats)
     selection(sorted({vocab_size for _, vocab_size in shapes}), sentences, args.repeats)
     if args.model:
         try:

@@ -96,12 +96,12 @@ class PackedLinear(nn.Module):
 class FewRowsLinear(nn.Module):
     """A decoder linear layer of fp32 decoding on CPUs: up to ROWS rows (beams x sentences, a step of
     a small batch) through oneDNN on weights packed once, else as nn.Linear (MKL). At a few rows the
-    product is bound by reading W, which MKL's sgemm packs anew at every call: one sentence (4 rows)
-    decoded 1.09-1.12x faster, 20 sentences 1.03-1.04x, 1000 within the machine's drift
-    (`python -m bench.cpu_decoding`, README "Speed"); at hundreds of rows MKL was as fast or faster.
-    The packed copy is memory besides W: about 100 MB for base's decoder."""
+    product is bound by reading W, which MKL's sgemm packs anew at every call. A step's linear layers
+    in turn (each W read from memory, as decoding reads them) ran 1.35-1.87x faster at 4 rows, 1.07-1.14x
+    at 80 and 160, about even at 256 and slower from 640 (`python -m bench.cpu_decoding`, README
+    "Speed"). The packed copy is memory besides W: about 100 MB for base's decoder."""
 
-    ROWS = 64
+    ROWS = 160  # 40 sentences of 4 beams
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
