@@ -119,7 +119,7 @@ def attention_kernels(d_model: int, heads: int, rows: list[int], keys: list[int]
                 products = _best(lambda: attend(q, k, v, mask, fused=False), repeats)
                 fused = _best(lambda: attend(q, k, v, mask, fused=True), repeats)
                 error = float((attend(q, k, v, mask, fused=False) - attend(q, k, v, mask)).abs().max())
-                pick = fused_decoding_is_faster(q.size(0) * q.size(2), q.size(2), t)
+                pick = fused_decoding_is_faster(q.numel() // d, q.size(2), t)
                 cells.append(f"{name}: products {products * 1e6:6.0f} us, fused {fused * 1e6:6.0f} us "
                              f"({products / fused:.2f}x, takes {'fused' if pick else 'products'}; "
                              f"difference {error:.0e})")

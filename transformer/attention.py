@@ -93,17 +93,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, *, 
     return torch.softmax(scores, dim=-1) @ v
 
 
-def fused_decoding_is_faster(rows: int, queries: int, keys: int) -> bool:
+def fused_decoding_is_faster(queries: int, per_matrix: int, keys: int) -> bool:
     """Whether a decoding step attends faster on CPUs with the fused kernel than with two batched
-    products: `rows` queries per head in all (beams x sentences), `queries` per matrix (1 in
+    products: `queries` in all (rows x heads), `per_matrix` of them to each set of `keys` (1 in
     self-attention, where each row has its own keys; the beams in attention to the source, which they
-    share), `keys` per matrix. The fused kernel is one call where the products take four or five, which
-    decides at a few rows. Above, the products were up to 2.7x faster, except in self-attention against
-    fewer than 8 keys (the first steps), which MKL's batched product runs at a fraction of its speed
-    (`python -m bench.cpu_decoding`, README "Speed")."""
-    if queries == 1:
-        return rows <= 64 or keys < 8
-    return rows <= 16
+    share). The fused kernel is one call where the products take four or five, which decides up to
+    about 128 queries (32 rows of 4 heads, 16 of 8); above, the products were up to 3x faster, except
+    in self-attention against fewer than 8 keys (the first steps), which MKL's batched product runs at
+    a fraction of its speed (`python -m bench.cpu_decoding`, README "Speed")."""
+    return queries <= 128 or (per_matrix == 1 and keys < 8)
 
 
 class MultiHeadAttention(nn.Module):
@@ -197,7 +195,7 @@ class MultiHeadAttention(nn.Module):
             q = q.view(b, beams, self.n_heads, tq, -1).transpose(1, 2).reshape(b, self.n_heads, beams * tq, -1)
         # Decoding (a cache): the new queries see every key so far (the self-attention's see only the
         # past), so no causal mask.
-        fused = cache is None or fused_decoding_is_faster(q.size(0) * q.size(2), q.size(2), k.size(2))
+        fused = cache is None or fused_decoding_is_faster(q.numel() // q.size(-1), q.size(2), k.size(2))
         y = attend(q, k, v, key_padding_mask, fused=fused, causal=causal and cache is None,
                    dropout=self.dropout if self.training else 0.0)  # (B, n_heads, beams * Tq, d_v)
         y = y.view(b, self.n_heads, beams, tq, self.d_v).permute(0, 2, 3, 1, 4)  # (B, beams, Tq, n_heads, d_v)
