@@ -19,10 +19,11 @@ in turn (best of --repeats), with the ratio and the largest difference of their 
   log-probabilities: best_candidates (the best chunks first) against a full top-k.
 --threads 1 shows what a second thread gives each.
 
-With a model, four translators of it, each with one change more than the one before, translate the
+With a model, five translators of it, each with one change more than the one before, translate the
 first --limit lines of --source in one process, alternating for --rounds rounds: plain (the model as
 trained: nn.Linear, PreSoftmax), + PackedPreSoftmax, + FewRowsLinear, + self-attention's q, k and v in
-one product (fuse_projections: the decode stage's translator). It prints the medians (and each
+one product (fuse_projections), all four attending in decoding with two batched products, + the fused
+kernel at small steps (fused_decoding_is_faster: the decode stage's translator). It prints the medians (and each
 one's range over the rounds: this machine drifts), each change's own ratio and how many lines all four
 translate the same (they should all be). All search with best_candidates."""
 from __future__ import annotations
@@ -41,6 +42,7 @@ from stages.decode import (
     DecodeParams, FewRowsLinear, PackedPreSoftmax, load_translator, read_transformer, replace_modules, translate)
 from stages.devices import keep_freed_memory
 from stages.io import PipelineError, read_lines
+import transformer.attention as attention
 from transformer.attention import attend, fused_decoding_is_faster
 from transformer.beam_search import best_candidates
 from transformer.model import PreSoftmax
@@ -159,17 +161,25 @@ def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds
     lines = list(read_lines(source))[:limit]
     params = DecodeParams(beam_size=4, length_penalty=0.6, length_penalty_formula="power", stop="finished",
                           max_length_extra=50, batch_tokens=batch_tokens)
-    models = {"plain": plain, "+ PackedPreSoftmax": projection, "+ FewRowsLinear": few_rows,
-              "+ fused q, k, v": stage}  # the last is the decode stage's translator
+    def products(queries: int, per_matrix: int, keys: int) -> bool:  # decoding's attention before 2026-11-25
+        return False
+
+    models = {"plain": (plain, products), "+ PackedPreSoftmax": (projection, products),
+              "+ FewRowsLinear": (few_rows, products), "+ fused q, k, v": (stage, products),
+              "+ fused attention": (stage, attention.fused_decoding_is_faster)}  # the last: the decode stage
     times: dict[str, list[float]] = {name: [] for name in models}
     outputs: dict[str, list[str]] = {}
-    for model in models.values():
-        translate(model, sp, lines[:8], params, "warm-up")
-    for _ in range(rounds):  # in turn, so a slow spell of the machine falls on both
-        for name, model in models.items():
-            start = time.perf_counter()
-            outputs[name] = translate(model, sp, lines, params, name)
-            times[name].append(time.perf_counter() - start)
+    rule = attention.fused_decoding_is_faster
+    try:
+        for model, attention.fused_decoding_is_faster in models.values():
+            translate(model, sp, lines[:8], params, "warm-up")
+        for _ in range(rounds):  # in turn, so a slow spell of the machine falls on all
+            for name, (model, attention.fused_decoding_is_faster) in models.items():
+                start = time.perf_counter()
+                outputs[name] = translate(model, sp, lines, params, name)
+                times[name].append(time.perf_counter() - start)
+    finally:
+        attention.fused_decoding_is_faster = rule
     medians = {name: statistics.median(t) for name, t in times.items()}
     same = sum(len(set(translations)) == 1 for translations in zip(*outputs.values(), strict=True)) / len(lines)
     print(f"{len(lines)} lines of {source.name}, beam 4, batches of {batch_tokens} source tokens, "
@@ -227,7 +237,7 @@ def main() -> None:
     for d_model, d_ff in layers:
         linear_layers(d_model, d_ff, args.decoder_layers, rows, args.repeats)
     for d_model, _ in layers:
-        attention_kernels(d_model, d_model // 64, rows, keys, args.repeats)
+        attention_kernels(d_model, max(d_model // 64, 1), rows, keys, args.repeats)  # heads of 64, as the paper
     selection(sorted({vocab_size for _, vocab_size in shapes}), sentences, args.repeats)
     if args.model:
         try:
