@@ -228,6 +228,12 @@ def main() -> None:
                  f"above 0: {args.shapes!r}, {args.layers!r}, {args.rows!r}, {args.sentences!r}, {args.keys!r}")
     if args.model and not (args.vocab_dir and args.source):
         ap.error("--model needs --vocab-dir and --source too")
+    if args.model:  # before the parts run, not minutes later
+        for flag, path, is_there in (("--model", args.model, Path.is_file),
+                                     ("--vocab-dir", args.vocab_dir, Path.is_dir),
+                                     ("--source", args.source, Path.is_file)):
+            if not is_there(path):
+                ap.error(f"{flag} {path}: not found")
     for name in ("repeats", "threads", "limit", "rounds", "batch_tokens", "decoder_layers"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
