@@ -1,5 +1,8 @@
+import gc
 import sys
 
 from pipeline.cli import main
 
-sys.exit(main())
+code = main()
+gc.freeze()  # no collections over Prefect's, MLflow's and torch's objects at exit (1.5 s; pipeline/stage.py)
+sys.exit(code)
