@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import gc
 
-if __name__ == "__main__":  # a command: no cycle collections while torch and MLflow import (1.5 s of 6)
+if __name__ == "__main__":  # a command: no cycle collections while torch and the stages import
     gc.disable()
 
 import argparse
@@ -148,7 +148,7 @@ def main(argv: list[str], prog: str = "python -m pipeline.stage") -> int:
 
 if __name__ == "__main__":
     # What the imports made lives to the end: frozen, the collector never walks it again, nor at exit,
-    # where collections over torch's and MLflow's objects took 1.1 s of every stage command.
+    # where collections over torch's and MLflow's objects took over a second (bench/stage_startup.py).
     gc.enable()
     gc.freeze()
     code = main(sys.argv[1:])
