@@ -171,10 +171,12 @@ def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds
     outputs: dict[str, list[str]] = {}
     rule = attention.fused_decoding_is_faster
     try:
-        for model, attention.fused_decoding_is_faster in models.values():
+        for model, chooses in models.values():
+            attention.fused_decoding_is_faster = chooses  # decoding's attention, as this translator chooses it
             translate(model, sp, lines[:8], params, "warm-up")
         for _ in range(rounds):  # in turn, so a slow spell of the machine falls on all
-            for name, (model, attention.fused_decoding_is_faster) in models.items():
+            for name, (model, chooses) in models.items():
+                attention.fused_decoding_is_faster = chooses
                 start = time.perf_counter()
                 outputs[name] = translate(model, sp, lines, params, name)
                 times[name].append(time.perf_counter() - start)
