@@ -8,7 +8,7 @@ MLflow tracking into a store of its own:
     python -m bench.stage_startup --rounds 5 --lines 200
 
 Prints each one's median wall time (and range: this machine drifts), the ratio, and whether the two
-wrote the same metrics."""
+wrote the same metrics (if not, it exits with an error: the times would not compare)."""
 from __future__ import annotations
 
 import argparse
@@ -77,6 +77,8 @@ def main() -> None:
         print(f"  {way:32s} {medians[way]:6.2f} s  (runs {min(t[1:]):.2f}-{max(t[1:]):.2f})")
     now, before = medians.values()
     print(f"  command / imported main: {before / now:.2f}x faster; the same metrics: {metrics[0] == metrics[1]}")
+    if metrics[0] != metrics[1]:
+        sys.exit(f"error: the two ways wrote different metrics, so their times do not compare:\n{metrics}")
 
 
 if __name__ == "__main__":
