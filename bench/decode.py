@@ -4,6 +4,7 @@ MarianMT `generate` and in CTranslate2, in one run.
     python -m bench.decode                                   # the pipeline's model on newstest2014
     python -m bench.decode --model M --vocab-dir V --source S --limit 500
     python -m bench.decode --model M --vocab-dir V --source S --peers ctranslate2   # ours and CTranslate2 only
+    python -m bench.decode --model M --vocab-dir V --source S --batch-tokens 4000,16000   # and each at its fastest
     python -m bench.decode --train-base N --work W --limit 500   # base size, trained here first: see below
 
 The model is exported with the export stage (so all three hold identical weights), then each system,
@@ -44,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,7 @@ CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "
 class Decoded:
     system: str
     precision: str
+    batch_tokens: int
     seconds: float
     tokens: int  # sentencepiece pieces of the output
     lines: list[str]
@@ -100,34 +103,38 @@ class Setup:
     threads: int
 
 
-def decode_all(model_path: Path, vocab_dir: Path, lines: list[str], beam: int, batch_tokens: int,
+def decode_all(model_path: Path, vocab_dir: Path, lines: list[str], beam: int, batch_sizes: tuple[int, ...],
                precisions: tuple[str, ...], tmp: Path, repeats: int = 1,
                peers: tuple[str, ...] = SYSTEMS[1:]) -> tuple[list[Decoded], dict[str, str]]:
-    """Every system at every precision on the same lines: ours (the decode stage), transformers
-    MarianMT generate and CTranslate2 (or those of `peers`), from the same weights. Also returns, by
-    system and precision, why a peer could not run here (CTranslate2's wheel is built for one CUDA
-    major version).
+    """Every system at every precision and batch size (source tokens) on the same lines: ours (the
+    decode stage), transformers MarianMT generate and CTranslate2 (or those of `peers`), from the same
+    weights. Also returns, by system and precision, why a peer could not run here (CTranslate2's wheel
+    is built for one CUDA major version).
 
     Each system runs in a process of its own, as a user runs it: two of them in one process share
     its allocator settings and bring two OpenMP runtimes (one-off, base on 500 test2016 lines: ours
     25.3 s alone, 27.9 s after CTranslate2 in the same process). The processes take turns, one
-    translating at a time."""
+    translating at a time, every system at every batch size in each round."""
     marian_dir = export.to_marian(model_path, vocab_dir, tmp / "marian")
-    setup = Setup(model_path, vocab_dir, marian_dir, export.to_ctranslate2(marian_dir, tmp / "ct2"), beam,
-                  batch_tokens, torch.get_num_threads())
+    ct2_dir = export.to_ctranslate2(marian_dir, tmp / "ct2")
     sp = vocab.load(vocab_dir)
     results, unavailable = [], {}
     for precision in precisions:
-        # lines[:8] warm each worker up: first calls, kernels chosen, caches filled
-        with _Workers(setup, precision, lines[:8], (SYSTEMS[0], *peers)) as workers:
-            unavailable |= {f"{name} {precision}": why for name, why in workers.unavailable.items()}
-            best, outputs = dict.fromkeys(workers.ready, float("inf")), {}
+        with ExitStack() as stack:
+            # lines[:8] warm each worker up: first calls, kernels chosen, caches filled
+            workers = {size: stack.enter_context(_Workers(
+                Setup(model_path, vocab_dir, marian_dir, ct2_dir, beam, size, torch.get_num_threads()),
+                precision, lines[:8], (SYSTEMS[0], *peers))) for size in batch_sizes}
+            for size_workers in workers.values():
+                unavailable |= {f"{name} {precision}": why for name, why in size_workers.unavailable.items()}
+            best, outputs = {}, {}
             for _ in range(repeats):  # in turn, so a slow spell of the machine does not fall on one system only
-                for name in workers.ready:
-                    seconds, outputs[name] = workers.translate(name, lines)
-                    best[name] = min(best[name], seconds)
-        results += [Decoded(name, precision, best[name], sum(len(ids) for ids in sp.encode(outputs[name])),
-                            outputs[name]) for name in best]
+                for size, size_workers in workers.items():
+                    for name in size_workers.ready:
+                        seconds, outputs[name, size] = size_workers.translate(name, lines)
+                        best[name, size] = min(best.get((name, size), float("inf")), seconds)
+        results += [Decoded(name, precision, size, seconds, sum(len(ids) for ids in sp.encode(outputs[name, size])),
+                            outputs[name, size]) for (name, size), seconds in best.items()]
     return results, unavailable
 
 
@@ -265,23 +272,43 @@ def _same(a: list[str], b: list[str]) -> float:
     return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
 
 
+def _ratio(ours: Decoded, other: Decoded) -> str:
+    """Ours against another system, unless their outputs agree on too few lines to compare speeds."""
+    if _same(ours.lines, other.lines) < AGREEMENT:
+        return "not compared: outputs differ"
+    return f"ours / this: {ours.rate / other.rate:.2f}x"
+
+
 def report(results: list[Decoded], references: list[str] | None = None) -> list[str]:
-    """Each system's rate, ours against it, and the share of output lines identical to ours; with
-    references, each system's sacreBLEU (what a lower precision costs)."""
+    """Each system's rate, ours against it at the same precision and batch size, and the share of
+    output lines identical to ours; with references, each system's sacreBLEU (what a lower precision
+    costs). With several batch sizes, then each system at its fastest one against ours at its own."""
     import sacrebleu
 
+    sizes = len({r.batch_tokens for r in results}) > 1
     rows = []
     for r in results:
-        ours = next(o for o in results if o.precision == r.precision and o.system.startswith("ours"))
-        same = _same(ours.lines, r.lines)
-        ratio = f"ours / this: {ours.rate / r.rate:.2f}x" if same >= AGREEMENT else "not compared: outputs differ"
+        ours = next(o for o in results if (o.system, o.precision, o.batch_tokens) ==
+                    (SYSTEMS[0], r.precision, r.batch_tokens))
         bleu = f"  BLEU {sacrebleu.corpus_bleu(r.lines, [references]).score:.2f}" if references else ""
         first = results[0].precision  # ours at a later precision: how many lines that precision changed
         if r is ours and r.precision != first:
-            ours_first = next(o for o in results if o.precision == first and o.system == r.system)
+            ours_first = next(o for o in results if (o.precision, o.batch_tokens, o.system) ==
+                              (first, r.batch_tokens, r.system))
             bleu += f"  same lines as ours {first}: {_same(ours_first.lines, r.lines):.1%}"
-        rows.append(f"{r.system:32}{r.precision:>5}{r.rate:>10,.0f} target tokens/s{len(r.lines) / r.seconds:>8,.1f}"
-                    f" sentences/s  ({r.tokens} tokens)  {ratio}  same lines: {same:.1%}{bleu}")
+        size = f"{r.batch_tokens:>7,}" if sizes else ""
+        rows.append(f"{r.system:32}{r.precision:>5}{size}{r.rate:>10,.0f} target tokens/s"
+                    f"{len(r.lines) / r.seconds:>8,.1f} sentences/s  ({r.tokens} tokens)  {_ratio(ours, r)}"
+                    f"  same lines: {_same(ours.lines, r.lines):.1%}{bleu}")
+    if sizes:
+        rows.append("each at its fastest batch size (source tokens):")
+        fastest: dict[tuple[str, str], Decoded] = {}
+        for r in results:
+            if (r.system, r.precision) not in fastest or r.rate > fastest[r.system, r.precision].rate:
+                fastest[r.system, r.precision] = r
+        for r in fastest.values():
+            rows.append(f"{r.system:32}{r.precision:>5}{r.batch_tokens:>7,}{r.rate:>10,.0f} target tokens/s  "
+                        f"{_ratio(fastest[SYSTEMS[0], r.precision], r)}")
     return rows
 
 
@@ -314,7 +341,9 @@ def main() -> None:
                     "against with sacreBLEU (default: the reference of the default source)")
     ap.add_argument("--limit", type=int, default=0, help="first N lines only (0: all)")
     ap.add_argument("--beam", type=int, default=4)
-    ap.add_argument("--batch-tokens", type=int, default=8000)
+    ap.add_argument("--batch-tokens", type=lambda text: tuple(int(n) for n in text.split(",")), default=(8000,),
+                    help="source tokens per batch, padding included; comma-separated for several: each system "
+                         "runs at each, and the report adds each at its fastest")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each system, taken in turn; the best counts")
     ap.add_argument("--precisions", type=lambda text: tuple(text.split(",")), default=("fp32",),
                     help=f"comma-separated, of {', '.join(CT2_TYPES)} (bf16 and fp16 for GPUs, int8 for CPUs)")
@@ -329,6 +358,8 @@ def main() -> None:
         ap.error(f"--precisions: unknown {', '.join(sorted(unknown))} (known: {', '.join(CT2_TYPES)})")
     if unknown := set(args.peers) - set(PEERS):
         ap.error(f"--peers: unknown {', '.join(sorted(unknown))} (known: {', '.join(PEERS)})")
+    if min(args.batch_tokens) < 1:
+        ap.error(f"--batch-tokens must be at least 1, not {min(args.batch_tokens)}")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, not {args.repeats}")
     if args.train_base is not None and args.train_base < 1:

@@ -289,7 +289,7 @@ def decode(sizes: Sizes, work: Path) -> dict[str, Any]:
     lines = (work / "text/test.en").read_text(encoding="utf-8").splitlines()
     refs = (work / "text/test.de").read_text(encoding="utf-8").splitlines()
     with tempfile.TemporaryDirectory(dir=work) as tmp:
-        results, unavailable = decode_all(model_path, work / "vocab", lines, 4, 8000, sizes.decode_precisions,
+        results, unavailable = decode_all(model_path, work / "vocab", lines, 4, (8000,), sizes.decode_precisions,
                                           Path(tmp))
     ours = {r.precision: r for r in results if r.system.startswith("ours")}
     return {"sentences": len(lines), "weights": f"{name}, {steps} steps of bf16 training (loss "
