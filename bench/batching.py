@@ -2,10 +2,10 @@
 
     python -m bench.batching [--budgets 3125 2000 1000] [--vocab 8000]
 
-Encodes the shared WMT14 training samples (Europarl and News Commentary, 40k pairs) with a sentencepiece BPE model learned on the spot, then
-builds batches both ways under the same budget (padded tokens per side per batch) and prints, for
-each, the padding fraction of source and target and the batch fill (real tokens of the side that
-binds the budget, over the budget).
+Encodes the shared WMT14 training samples (Europarl and News Commentary, 40k pairs) with a sentencepiece
+BPE model learned on the spot, then builds batches both ways under the same budget (padded tokens per
+side per batch) and prints, for each, the padding fraction of source and target and the batch fill
+(real tokens of the side that binds the budget, over the budget).
 The default budgets: the paper's 25k tokens per step split over its 8 GPUs (3125), and two smaller
 ones, closer to the paper's batch-to-corpus ratio on this much smaller corpus.
 """
@@ -74,7 +74,8 @@ def main() -> None:
         print(f"{'':22}{'batches':>9}{'src padding':>13}{'tgt padding':>13}{'fill':>8}")
         for name, m in (("token-bucketed (ours)", ours), ("random", peer)):
             print(f"{name:22}{m['batches']:>9}{m['src_padding']:>13.1%}{m['tgt_padding']:>13.1%}{m['fill']:>8.1%}")
-        print(f"ratio ours/random: batches {ours['batches'] / peer['batches']:.2f}x, fill {ours['fill'] / peer['fill']:.2f}x")
+        print(f"ratio ours/random: batches {ours['batches'] / peer['batches']:.2f}x, "
+              f"fill {ours['fill'] / peer['fill']:.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,7 @@ def main() -> None:
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "train.en"
-        text.write_text("".join(open(SHARED / "wmt14/train-sample" / f"{s}.en", encoding="utf-8").read() for s in STEMS),
+        text.write_text("".join((SHARED / "wmt14/train-sample" / f"{s}.en").read_text(encoding="utf-8") for s in STEMS),
                         encoding="utf-8")
         spm.SentencePieceTrainer.train(input=str(text), model_prefix=f"{tmp}/spm", vocab_size=8000, model_type="bpe",
                                        minloglevel=2, num_threads=cores)

@@ -117,7 +117,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
     tokens = sum(int(t.ne(PAD_ID).sum()) for _, _, t in data[args.warmup :])
     params = {name: sum(p.numel() for p in m.parameters()) for name, (m, _, _) in runs.items()}
-    print(f"{args.preset} model, {device.type} ({torch.cuda.get_device_name() if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}), "
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"{args.preset} model, {device.type} ({where}), "
           f"{args.precision}{', compiled' if args.compile else ''}, batches of {args.batch_tokens} tokens per side, "
           f"{args.steps} timed steps ({tokens} target tokens) after {args.warmup} warm-up")
     rate = {name: tokens / sum(t) for name, t in times.items()}

@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--preset", action="append", default=[], help="presets/<name>.yaml, applied in order")
         p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override one parameter, as `dvc exp run -S`")
-    table3 = sub.add_parser("table3", help="the paper's Table 3 rows as named DVC experiments (experiments/table3.yaml)")
+    table3 = sub.add_parser("table3",
+                            help="the paper's Table 3 rows as named DVC experiments (experiments/table3.yaml)")
     table3.add_argument("rows", nargs="*", help="row names (default: all)")
     table3.add_argument("--queue", action="store_true", help="queue them with `dvc exp run --queue` (else print)")
     report = sub.add_parser("report", help="markdown and plots comparing the tracked runs with the paper")
@@ -92,7 +93,8 @@ def model_size(params: Params) -> str:
 
     with torch.device("meta"):
         model = Transformer(params.model, params.vocab.vocab_size, vocab.PAD_ID)
-    return f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters with a {params.vocab.vocab_size}-piece vocabulary"
+    return (f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters with a "
+            f"{params.vocab.vocab_size}-piece vocabulary")
 
 
 def table3_command(names: list[str], queue: bool) -> None:

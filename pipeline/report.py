@@ -106,7 +106,8 @@ def _plots(runs: list[Run], out_dir: Path) -> list[str]:
 
     names = [name for name, *_ in PAPER] + [r.name for r in runs]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
-    ax.barh(names, [de for _, de, *_ in PAPER] + [r.bleu_tok for r in runs], color=["grey"] * len(PAPER) + ["C0"] * len(runs))
+    ax.barh(names, [de for _, de, *_ in PAPER] + [r.bleu_tok for r in runs],
+            color=["grey"] * len(PAPER) + ["C0"] * len(runs))
     ax.set_xlabel("test BLEU, tokenised and compound-split (the paper's measure)")
     ax.invert_yaxis()
     _save(fig, out_dir / "bleu.png")

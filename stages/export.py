@@ -79,7 +79,8 @@ def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path
     missing, unexpected = model.load_state_dict(
         marian_state_dict(weights, c.encoder_layers, c.decoder_layers), strict=False)
     # Everything else is tied to the shared embedding, a zero logits bias, or computed positions.
-    left = [k for k in missing if not k.endswith(("embed_tokens.weight", "lm_head.weight", "embed_positions.weight", "final_logits_bias"))]
+    tied = ("embed_tokens.weight", "lm_head.weight", "embed_positions.weight", "final_logits_bias")
+    left = [k for k in missing if not k.endswith(tied)]
     if left or unexpected:
         raise PipelineError(f"{model_path}: weights do not map onto MarianMT (missing {left[:3]}, "
                             f"unexpected {unexpected[:3]})")
@@ -98,7 +99,8 @@ def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path
         json.dumps({sp.id_to_piece(i): i for i in range(sp.get_piece_size())}, ensure_ascii=False), encoding="utf-8")
     (tmp / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "MarianTokenizer", "model_max_length": c.max_positions,
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>", "separate_vocabs": False}), encoding="utf-8")
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>", "separate_vocabs": False}),
+        encoding="utf-8")
     _replace_dir(tmp, out_dir)
     return out_dir
 

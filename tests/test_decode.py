@@ -177,7 +177,8 @@ from stages import decode, vocab
 if sys.argv[1] == "decoded":  # a line translated on the CPU first, as the decode stage does
     params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="exact",
                                  max_length_extra=5, batch_tokens=100)
-    decode.translate(decode.load_translator(sys.argv[2], torch.device("cpu")), vocab.load(sys.argv[3]), ["a dog"], params)
+    decode.translate(decode.load_translator(sys.argv[2], torch.device("cpu")), vocab.load(sys.argv[3]), ["a dog"],
+                     params)
 x = torch.ones(4 << 20)  # 16 MB: by glibc's default a block of its own, mapped from the OS and unmapped at free
 del x
 libc = ctypes.CDLL("libc.so.6")
@@ -203,5 +204,6 @@ def test_decoding_on_cpus_keeps_freed_memory_for_the_next_step(averaged, vocab_d
     except (OSError, AttributeError):
         pytest.skip("no glibc here, where keep_freed_memory does nothing (the setting and its statistics are glibc's)")
     kept = {how: int(subprocess.run([sys.executable, "-c", FREED_BYTES_KEPT, how, str(averaged[0]), str(vocab_dir)],
-                                    capture_output=True, text=True, check=True).stdout) for how in ("default", "decoded")}
+                                    capture_output=True, text=True, check=True).stdout)
+            for how in ("default", "decoded")}
     assert kept["default"] < 16 << 20 <= kept["decoded"], kept

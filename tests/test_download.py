@@ -228,7 +228,8 @@ def test_the_download_stage_fetches_wmt14_in_the_official_layout(server, shared,
 
 def test_the_paper_test_set_comes_from_sacrebleus_catalogue():
     archive, (src, ref) = wmt14.test_set("full", "de")
-    assert archive.url == "https://statmt.org/wmt14/test-full.tgz" and archive.digest == "a8cd784e006feb32ac6f3d9ec7eb389a"
+    assert archive.url == "https://statmt.org/wmt14/test-full.tgz"
+    assert archive.digest == "a8cd784e006feb32ac6f3d9ec7eb389a"
     assert (src, ref) == ("test-full/newstest2014-deen-src.en.sgm", "test-full/newstest2014-deen-ref.de.sgm")
     assert wmt14.test_set("filtered", "de")[0].digest == "84c597844c1542e29c2aff23aaee4310"
 

@@ -60,7 +60,8 @@ def de_number(n: int, final: bool = True) -> str:
         rest = n % 100
         return ("ein" if n // 100 == 1 else DE_UNITS[n // 100]) + "hundert" + (de_number(rest, final) if rest else "")
     rest = n % 1000
-    return ("ein" if n // 1000 == 1 else de_number(n // 1000, False)) + "tausend" + (de_number(rest, final) if rest else "")
+    thousands = "ein" if n // 1000 == 1 else de_number(n // 1000, False)
+    return thousands + "tausend" + (de_number(rest, final) if rest else "")
 
 
 def en_ordinal(n: int) -> str:
