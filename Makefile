@@ -15,7 +15,8 @@ setup:  ## a virtual environment with everything installed (torch first: CPU bui
 quickstart:  ## the whole pipeline on the bundled corpus, as a Prefect flow over dvc.yaml, in minutes on a CPU
 	$(PY) -m pipeline quickstart
 
-test:  ## the whole suite, as CI runs it (the 20 slowest listed, so a CI log shows where the time goes)
+test:  ## lint, then the whole suite, as CI runs it (the 20 slowest listed, so a CI log shows where the time goes)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=20
 
 test-fast:  ## everything but the tests marked slow (the whole flow, torchrun): under two minutes
