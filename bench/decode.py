@@ -331,6 +331,17 @@ def trained_base(work: Path, steps: int, corpus: str) -> tuple[Path, Path]:
     return list_checkpoints(current_dir(work / "checkpoints"))[-1][1], work / "vocab"
 
 
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    """--batch-tokens: one or more whole numbers of source tokens, comma-separated, each once."""
+    try:
+        sizes = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated numbers of tokens (e.g. 4000,16000), not {text!r}") from None
+    if min(sizes) < 1 or len(set(sizes)) < len(sizes):
+        raise argparse.ArgumentTypeError(f"each size at least 1 token and given once, not {text!r}")
+    return sizes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=Path("models/averaged.safetensors"))
@@ -341,9 +352,10 @@ def main() -> None:
                     "against with sacreBLEU (default: the reference of the default source)")
     ap.add_argument("--limit", type=int, default=0, help="first N lines only (0: all)")
     ap.add_argument("--beam", type=int, default=4)
-    ap.add_argument("--batch-tokens", type=lambda text: tuple(int(n) for n in text.split(",")), default=(8000,),
+    ap.add_argument("--batch-tokens", type=_batch_sizes, default=(8000,),
                     help="source tokens per batch, padding included; comma-separated for several: each system "
-                         "runs at each, and the report adds each at its fastest")
+                         "runs at each (a worker process per system and size, all loaded at once), and the "
+                         "report adds each at its fastest")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each system, taken in turn; the best counts")
     ap.add_argument("--precisions", type=lambda text: tuple(text.split(",")), default=("fp32",),
                     help=f"comma-separated, of {', '.join(CT2_TYPES)} (bf16 and fp16 for GPUs, int8 for CPUs)")
@@ -358,8 +370,6 @@ def main() -> None:
         ap.error(f"--precisions: unknown {', '.join(sorted(unknown))} (known: {', '.join(CT2_TYPES)})")
     if unknown := set(args.peers) - set(PEERS):
         ap.error(f"--peers: unknown {', '.join(sorted(unknown))} (known: {', '.join(PEERS)})")
-    if min(args.batch_tokens) < 1:
-        ap.error(f"--batch-tokens must be at least 1, not {min(args.batch_tokens)}")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, not {args.repeats}")
     if args.train_base is not None and args.train_base < 1:
