@@ -99,12 +99,16 @@ def beam_search(
         top_scores, top_beam, top_token = best_candidates(lprobs, scores, min(2 * K, beams * vocab))
         ended = top_token.eq(eos)
 
-        # Hypotheses that end among a sentence's best K candidates are finished.
-        for row, j in ended[:, :K].nonzero().tolist():  # few per step: only these go to Python
-            log_prob = float(top_scores[row, j])
-            if log_prob > float("-inf"):
-                prefix = tokens[row * beams + int(top_beam[row, j]), 1:].tolist()
-                finished[active[row]].append(Hypothesis(prefix, log_prob / penalty(t + 1, alpha), log_prob))
+        # Hypotheses that end among a sentence's best K candidates are finished: gathered in one go,
+        # so that Python sees a step's few, not a tensor call per hypothesis.
+        ending_row, ending_j = ended[:, :K].nonzero().unbind(1)
+        if len(ending_row):
+            ending_scores = top_scores[ending_row, ending_j].tolist()
+            prefixes = tokens[ending_row * beams + top_beam[ending_row, ending_j], 1:].tolist()
+            lp = penalty(t + 1, alpha)
+            for row, log_prob, prefix in zip(ending_row.tolist(), ending_scores, prefixes, strict=True):
+                if log_prob > float("-inf"):
+                    finished[active[row]].append(Hypothesis(prefix, log_prob / lp, log_prob))
 
         # The best K candidates that did not end live on; ended ones sort last.
         rank = torch.arange(top_token.size(1), device=device).expand(B, -1) + ended.long() * 2 * K
