@@ -10,8 +10,8 @@ in turn (best of --repeats), with the ratio and the largest difference of their 
   above 32 MB of logits MKL into a buffer kept across steps) against MKL into that buffer (PreSoftmax),
   and the ratio oneDNN would give without the size limit;
 - a step's linear layers of a --decoder-layers deep decoder, in the order a step runs them (so each
-  weight comes from memory, as in decoding): FewRowsLinear (oneDNN on packed weights up to its ROWS,
-  MKL above) against nn.Linear (MKL);
+  weight comes from memory, as in decoding): PackedLinear (oneDNN on weights packed once, the
+  feed-forward's ReLU in its first product) against nn.Linear (MKL) and a ReLU of its own;
 - a step's attention at --keys keys, self-attention (one query per matrix) and attention to the source
   (4 beams per matrix): the fused kernel against two batched products, and which the decode stage
   takes (fused_decoding_is_faster);
@@ -21,11 +21,12 @@ in turn (best of --repeats), with the ratio and the largest difference of their 
 
 With a model, five translators of it, each with one change more than the one before, translate the
 first --limit lines of --source in one process, alternating for --rounds rounds: plain (the model as
-trained: nn.Linear, PreSoftmax), + PackedPreSoftmax, + FewRowsLinear, + self-attention's q, k and v in
-one product (fuse_projections), all four attending in decoding with two batched products, + the fused
-kernel at small steps (fused_decoding_is_faster: the decode stage's translator). It prints the medians (and each
-one's range over the rounds: this machine drifts), each change's own ratio and how many lines all four
-translate the same (they should all be). All search with best_candidates."""
+trained: nn.Linear, PreSoftmax), + PackedPreSoftmax, + PackedLinear (every linear layer, the ReLU
+fused), + self-attention's q, k and v in one product (fuse_projections), all four attending in
+decoding with two batched products, + the fused kernel at small steps (fused_decoding_is_faster: the
+decode stage's translator). It prints the medians (and each one's range over the rounds: this machine
+drifts), each change's own ratio and how many lines all five translate the same (they should all be).
+All search with best_candidates."""
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,7 @@ from torch import nn
 
 from stages import vocab
 from stages.decode import (
-    DecodeParams, FewRowsLinear, PackedPreSoftmax, load_translator, read_transformer, replace_modules, translate)
+    DecodeParams, PackedLinear, PackedPreSoftmax, load_translator, pack_linear_layers, read_transformer, translate)
 from stages.devices import keep_freed_memory
 from stages.io import PipelineError, read_lines
 import transformer.attention as attention
@@ -83,21 +84,22 @@ def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats
     torch.manual_seed(0)
     per_layer = [(d_model, 3 * d_model), (d_model, d_model),  # self-attention: fused q, k, v; output
                  (d_model, d_model), (d_model, d_model),  # attention to the source: query; output
-                 (d_model, d_ff), (d_ff, d_model)]  # feed-forward
+                 (d_model, d_ff), (d_ff, d_model)]  # feed-forward: the first with a ReLU
+    relu = [n_out == d_ff for _, n_out in per_layer] * layers
     plain = [nn.Linear(n_in, n_out) for n_in, n_out in per_layer * layers]
-    ours = [FewRowsLinear(linear) for linear in plain]
+    ours = [PackedLinear(linear.weight, linear.bias, relu=r) for linear, r in zip(plain, relu, strict=True)]
     megabytes = sum(linear.weight.nbytes for linear in plain) / 2**20
     for n in rows:
         inputs = {width: torch.randn(n, 1, width) for width in (d_model, d_ff)}
 
-        def step(modules: list[nn.Module]) -> list[torch.Tensor]:
-            return [module(inputs[linear.in_features]) for module, linear in zip(modules, plain, strict=True)]
+        def step(modules: list[nn.Module], fused: bool) -> list[torch.Tensor]:
+            outputs = [module(inputs[linear.in_features]) for module, linear in zip(modules, plain, strict=True)]
+            return outputs if fused else [y.relu() if r else y for y, r in zip(outputs, relu, strict=True)]
 
-        mkl, packed = _best(lambda: step(plain), repeats), _best(lambda: step(ours), repeats)
-        error = max(float((a - b).abs().max()) for a, b in zip(step(ours), step(plain), strict=True))
+        mkl, packed = _best(lambda: step(plain, False), repeats), _best(lambda: step(ours, True), repeats)
+        error = max(float((a - b).abs().max()) for a, b in zip(step(ours, True), step(plain, False), strict=True))
         print(f"{layers} layers of d_model {d_model}, d_ff {d_ff} ({megabytes:.0f} MB of weights), {n:>5} rows: "
-              f"nn.Linear {mkl * 1e3:7.2f} ms, FewRowsLinear {packed * 1e3:7.2f} ms"
-              f"{'' if n <= FewRowsLinear.ROWS else ' (nn.Linear above its ROWS)'}: {mkl / packed:.2f}x"
+              f"nn.Linear and ReLU {mkl * 1e3:7.2f} ms, PackedLinear {packed * 1e3:7.2f} ms: {mkl / packed:.2f}x"
               f"  (largest difference {error:.1e})")
 
 
@@ -153,10 +155,10 @@ def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds
     stage = load_translator(model_path, torch.device("cpu"))
     if not isinstance(stage.pre_softmax, PackedPreSoftmax):
         raise SystemExit("this PyTorch has no oneDNN (torch.backends.mkldnn): the decode stage uses MKL alone")
-    plain, projection, few_rows = (read_transformer(model_path).eval() for _ in range(3))
-    for model in (projection, few_rows):
+    plain, projection, packed = (read_transformer(model_path).eval() for _ in range(3))
+    for model in (projection, packed):
         model.pre_softmax = PackedPreSoftmax(model.embed.weight)
-    replace_modules(few_rows.decoder, nn.Linear, FewRowsLinear)
+    pack_linear_layers(packed)
     sp = vocab.load(vocab_dir)
     lines = list(read_lines(source))[:limit]
     params = DecodeParams(beam_size=4, length_penalty=0.6, length_penalty_formula="power", stop="finished",
@@ -165,7 +167,7 @@ def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds
         return False
 
     models = {"plain": (plain, products), "+ PackedPreSoftmax": (projection, products),
-              "+ FewRowsLinear": (few_rows, products), "+ fused q, k, v": (stage, products),
+              "+ PackedLinear": (packed, products), "+ fused q, k, v": (stage, products),
               "+ fused attention": (stage, attention.fused_decoding_is_faster)}  # the last: the decode stage
     times: dict[str, list[float]] = {name: [] for name in models}
     outputs: dict[str, list[str]] = {}

@@ -2,9 +2,11 @@
 length penalty alpha 0.6, at most input length + 50 tokens), detokenised, in input order."""
 from __future__ import annotations
 
+import gc
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -20,6 +22,7 @@ from stages.io import (
     InputPath, OutputPath, PipelineError, atomic_write, check, read_lines, read_manifest, require_dir, split_path)
 from stages.model_files import read_model
 from transformer import IncrementalDecoder, Transformer, beam_search
+from transformer.layers import FeedForward
 from transformer.model import PreSoftmax
 
 SPLITS = ("dev", "test")
@@ -60,7 +63,7 @@ def load_translator(model_path: str | Path, device: torch.device, precision: str
         return quantize_int8(model.eval())
     if device.type == "cpu" and precision == "fp32" and torch.backends.mkldnn.is_available():
         model.pre_softmax = PackedPreSoftmax(model.embed.weight)
-        replace_modules(model.decoder, nn.Linear, FewRowsLinear)
+        pack_linear_layers(model)
     return model.to(device=device, dtype=DTYPES[precision]).eval()
 
 
@@ -81,37 +84,33 @@ def replace_modules(root: nn.Module, kind: type[nn.Module], make: Callable[[Any]
 
 
 class PackedLinear(nn.Module):
-    """x W^T + b through oneDNN, with W reordered once into the blocked layout its kernels read (MKL's
-    sgemm, behind nn.Linear, packs W again at every call)."""
+    """x W^T + b through oneDNN, with W reordered once into the blocked layout its kernels read and,
+    for the feed-forward's first product, the ReLU applied in the same call. MKL's sgemm, behind
+    nn.Linear, packs W anew at every call (about a tenth of its time in decoding), runs this CPU's
+    AVX2 kernel where oneDNN runs AVX-512, and leaves the ReLU to a pass of its own. At a step of a few
+    rows the product is bound by that packing and by reading W; at a thousand rows oneDNN was 3-16%
+    faster per product (`python -m bench.cpu_decoding`, README "Speed")."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, relu: bool = False) -> None:
         super().__init__()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
         self.bias = None if bias is None else bias.detach().float()
+        self.activation = "relu" if relu else "none"
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, self.activation, [], "")
 
 
-class FewRowsLinear(nn.Module):
-    """A decoder linear layer of fp32 decoding on CPUs: up to ROWS rows (beams x sentences, a step of
-    a small batch) through oneDNN on weights packed once, else as nn.Linear (MKL). At a few rows the
-    product is bound by reading W, which MKL's sgemm packs anew at every call. A step's linear layers
-    in turn (each W read from memory, as decoding reads them) ran 1.35-1.87x faster at 4 rows, 1.07-1.14x
-    at 80 and 160, about even at 256 and slower from 640 (`python -m bench.cpu_decoding`, README
-    "Speed"). The packed copy is memory besides W: about 100 MB for base's decoder."""
-
-    ROWS = 160  # 40 sentences of 4 beams
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.linear = linear
-        self.packed = PackedLinear(linear.weight, linear.bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.numel() <= self.ROWS * x.size(-1):
-            return self.packed(x)
-        return self.linear(x)
+def pack_linear_layers(model: Transformer) -> None:
+    """Every linear layer of `model` (fp32, on the CPU) as a PackedLinear, in place, each feed-forward's
+    ReLU fused into its first product. The packed weights replace the plain ones: no memory besides."""
+    for module in model.modules():
+        if isinstance(module, FeedForward):
+            first, relu, second = module.net
+            assert isinstance(first, nn.Linear) and isinstance(relu, nn.ReLU) and isinstance(second, nn.Linear)
+            module.net = nn.Sequential(PackedLinear(first.weight, first.bias, relu=True),
+                                       PackedLinear(second.weight, second.bias))
+    replace_modules(model, nn.Linear, lambda linear: PackedLinear(linear.weight, linear.bias))
 
 
 class Int8Linear(nn.Module):
@@ -153,7 +152,7 @@ class PackedPreSoftmax(LinearPreSoftmax):
     the decoder's buffer. MKL's sgemm took 1.2-3x as long at a step's 8-320 rows (beams x sentences);
     above the limit each step's fresh output would be new pages from the OS, and there oneDNN was
     1.03-1.09x slower than MKL into a kept buffer (`python -m bench.cpu_decoding`, README "Speed"). The
-    decoder's linear layers do likewise at few rows (FewRowsLinear)."""
+    linear layers run through oneDNN too (PackedLinear)."""
 
     def __init__(self, weight: Tensor) -> None:
         super().__init__(PackedLinear(weight, None))
@@ -184,6 +183,21 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+@contextmanager
+def no_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector off for a while: beam search makes many small lists (a step's finished
+    hypotheses), which set off collections that walk every object torch and the rest have made, about
+    2% of decoding's time in a process that has not frozen them (`gc.freeze`, as pipeline.stage does).
+    Nothing the search makes holds a cycle; any other is collected once the collector is back."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @torch.inference_mode()
 def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, desc: str = "decode") -> list[str]:
     """Translate `lines`, batched by length for speed, returned in input order."""
@@ -200,18 +214,19 @@ def translate(model: Transformer, sp, lines: list[str], params: DecodeParams, de
     bar = tqdm(total=len(lines), desc=desc, unit=" sentences", mininterval=2, file=sys.stderr)
     bar.update(sum(not ids for ids in encoded))
     todo = [i for i, ids in enumerate(encoded) if ids]
-    for batch_of_todo in length_batches([len(encoded[i]) for i in todo], params.batch_tokens):
-        indices = [todo[j] for j in batch_of_todo]
-        batch = [encoded[i] + [vocab.EOS_ID] for i in indices]
-        src = pad(batch).to(device)
-        max_lengths = torch.tensor([min(len(ids) - 1 + params.max_length_extra, limit) for ids in batch],
-                                   device=device).clamp(min=1)
-        decoder = IncrementalDecoder(model, src, never=(vocab.PAD_ID, vocab.BOS_ID))
-        hyps = beam_search(decoder, len(batch), params.beam_size, max_lengths, vocab.BOS_ID, vocab.EOS_ID,
-                           params.length_penalty, params.length_penalty_formula, params.stop)
-        for i, found in zip(indices, hyps, strict=True):
-            out[i] = sp.decode(found[0].tokens) if found else ""
-        bar.update(len(indices))
+    with no_cycle_collection():
+        for batch_of_todo in length_batches([len(encoded[i]) for i in todo], params.batch_tokens):
+            indices = [todo[j] for j in batch_of_todo]
+            batch = [encoded[i] + [vocab.EOS_ID] for i in indices]
+            src = pad(batch).to(device)
+            max_lengths = torch.tensor([min(len(ids) - 1 + params.max_length_extra, limit) for ids in batch],
+                                       device=device).clamp(min=1)
+            decoder = IncrementalDecoder(model, src, never=(vocab.PAD_ID, vocab.BOS_ID))
+            hyps = beam_search(decoder, len(batch), params.beam_size, max_lengths, vocab.BOS_ID, vocab.EOS_ID,
+                               params.length_penalty, params.length_penalty_formula, params.stop)
+            for i, found in zip(indices, hyps, strict=True):
+                out[i] = sp.decode(found[0].tokens) if found else ""
+            bar.update(len(indices))
     bar.close()
     return out
 

@@ -47,20 +47,21 @@ def test_decode_batch_size_does_not_change_translations(averaged, vocab_dir, cle
     assert one == many
 
 
-def test_fp32_on_cpus_runs_the_decoder_and_projection_on_packed_weights_as_the_plain_model(averaged):
+def test_fp32_on_cpus_runs_every_product_on_packed_weights_as_the_plain_model(averaged):
     plain = decode.read_transformer(averaged[0]).eval()
     packed = decode.load_translator(averaged[0], torch.device("cpu"))
     assert isinstance(packed.pre_softmax, decode.PackedPreSoftmax)
-    few_rows = [m for m in packed.decoder.modules() if isinstance(m, decode.FewRowsLinear)]
-    # self-attention's fused q, k and v and its output, cross-attention's four, and the feed-forward's two
-    assert len(few_rows) == 8 * plain.config.decoder_layers
-    assert not any(isinstance(m, decode.FewRowsLinear) for m in packed.encoder.modules())
-    ffn = packed.decoder[0].ffn.net[0]
-    for rows in (4, ffn.ROWS + 1):  # oneDNN's packed weights, then MKL's product
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    layers = [m for stack in (packed.encoder, packed.decoder) for m in stack.modules()
+              if isinstance(m, decode.PackedLinear)]
+    # self-attention's fused q, k and v and its output, the feed-forward's two; cross-attention's four
+    assert len(layers) == 4 * plain.config.encoder_layers + 8 * plain.config.decoder_layers
+    first, second = packed.decoder[0].ffn.net
+    assert (first.activation, second.activation) == ("relu", "none")  # the ReLU in the first product
+    for rows in (4, 1000):  # a step of one sentence, a step of a large batch
         x = torch.randn(rows, 1, plain.config.d_model)
         with torch.inference_mode():
-            torch.testing.assert_close(ffn(x), torch.nn.functional.linear(x, plain.decoder[0].ffn.net[0].weight,
-                                                                          plain.decoder[0].ffn.net[0].bias))
+            torch.testing.assert_close(packed.decoder[0].ffn(x), plain.decoder[0].ffn(x), rtol=1e-5, atol=1e-5)
     src, tgt = torch.randint(4, plain.vocab_size, (3, 9)), torch.randint(4, plain.vocab_size, (3, 6))
     with torch.inference_mode():
         torch.testing.assert_close(packed(src, tgt), plain(src, tgt), rtol=1e-5, atol=1e-5)
