@@ -186,9 +186,10 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 @contextmanager
 def no_cycle_collection() -> Iterator[None]:
     """Python's cycle collector off for a while: beam search makes many small lists (a step's finished
-    hypotheses), which set off collections that walk every object torch and the rest have made, about
-    2% of decoding's time in a process that has not frozen them (`gc.freeze`, as pipeline.stage does).
-    Nothing the search makes holds a cycle; any other is collected once the collector is back."""
+    hypotheses), which set off collections that walk every object torch and the rest have made: 18
+    collections, 87 ms of 5.6 s decoding test2016 in a process that had not frozen them (`gc.freeze`,
+    as pipeline.stage does; one-off). Nothing the search makes holds a cycle; any other is collected
+    once the collector is back."""
     enabled = gc.isenabled()
     gc.disable()
     try:
