@@ -1,6 +1,7 @@
 """After training: averaging checkpoints, decoding with beam search, the exports and the translate
 command, on the model the conftest chain trains on real text."""
 import dataclasses
+import gc
 import io
 
 import pytest
@@ -45,6 +46,30 @@ def test_decode_batch_size_does_not_change_translations(averaged, vocab_dir, cle
     one = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=1, **params))  # one sentence a batch
     many = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=10**6, **params))  # all 64 in one
     assert one == many
+
+
+def test_translate_leaves_the_cycle_collector_as_it_found_it(averaged, vocab_dir, monkeypatch):
+    model, sp = decode.load_translator(averaged[0], torch.device("cpu")), vocab.load(vocab_dir)
+    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
+                                 max_length_extra=2, batch_tokens=100)
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            decode.translate(model, sp, ["a dog runs"], params)
+            assert gc.isenabled() is enabled
+
+        def fails(*args, **kwargs):
+            assert not gc.isenabled()  # off while searching
+            raise RuntimeError("the search failed")
+
+        gc.enable()
+        monkeypatch.setattr(decode, "beam_search", fails)
+        with pytest.raises(RuntimeError, match="the search failed"):
+            decode.translate(model, sp, ["a dog runs"], params)
+        assert gc.isenabled()  # back on after the failure too
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 def test_fp32_on_cpus_runs_every_product_on_packed_weights_as_the_plain_model(averaged):
