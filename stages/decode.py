@@ -86,10 +86,10 @@ def replace_modules(root: nn.Module, kind: type[nn.Module], make: Callable[[Any]
 class PackedLinear(nn.Module):
     """x W^T + b through oneDNN, with W reordered once into the blocked layout its kernels read and,
     for the feed-forward's first product, the ReLU applied in the same call. MKL's sgemm, behind
-    nn.Linear, packs W anew at every call (about a tenth of its time in decoding), runs this CPU's
-    AVX2 kernel where oneDNN runs AVX-512, and leaves the ReLU to a pass of its own. At a step of a few
-    rows the product is bound by that packing and by reading W; at a thousand rows oneDNN was 3-16%
-    faster per product (`python -m bench.cpu_decoding`, README "Speed")."""
+    nn.Linear, packs W anew at every call (its packing routines took about 6% of decoding's samples in
+    `perf`, one-off), runs its AVX2 kernel on AMD CPUs where oneDNN runs AVX-512, and leaves the ReLU
+    to a pass of its own. A step's linear layers in turn ran 2.4-3.1x faster at 4 rows and 1.18-1.21x
+    at 320 and 1000 (`python -m bench.cpu_decoding`, README "Speed")."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, relu: bool = False) -> None:
         super().__init__()
