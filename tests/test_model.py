@@ -335,7 +335,7 @@ def test_the_finished_rule_stops_once_beam_size_hypotheses_ended():
         beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, 0.0, stop="early")
 
 
-@pytest.mark.parametrize("vocab", [8000, 37000, 23])  # chunks of 80 and 40 tokens; 23: no chunks, a full top-k
+@pytest.mark.parametrize("vocab", [8000, 37000, 8008, 23])  # chunks of 64, 200 and 104 tokens; 23: a full top-k
 def test_best_candidates_are_the_full_top_k_over_beams_and_vocabulary(vocab):
     torch.manual_seed(0)
     B, beams, k = 5, 4, 8

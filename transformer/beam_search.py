@@ -136,8 +136,14 @@ def beam_search(
 
 
 def _chunk_size(vocab: int) -> int | None:
-    """The largest multiple of 8 (AVX2's float lanes) from 32 to 128 that divides `vocab`, if any."""
-    return next((c for c in range(128, 31, -8) if vocab % c == 0), None)
+    """64 tokens where that divides `vocab`, else the largest multiple of 8 (AVX2's float lanes) from 32
+    to 256 that does, if any. The chunks' maxima cost the most, and torch's row maximum is fastest at 64
+    floats. bench.cpu_decoding's selection part at 20 / 80 / 250 sentences: 0.31 / 1.03 / 3.36 ms with
+    chunks of 80 tokens (8,000), 0.16 / 0.43 / 2.12 ms with 64; 0.88 / 3.54 / 8.91 ms with chunks of 40
+    (37,000), 0.49 / 1.78 / 7.24 ms with 200."""
+    if vocab % 64 == 0:
+        return 64
+    return next((c for c in range(256, 31, -8) if vocab % c == 0), None)
 
 
 def best_candidates(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
