@@ -33,13 +33,13 @@ further. So the rate is scaled by 0.12 (`train.lr_scale`: 3,000 / 25,000 tokens,
 rule) over a 250-step warm-up, peaking at 3.4e-4: on the same batches the loss is 5.64 after 300
 steps, 5.06 after 500 and 4.59 after 750 (about 100 minutes on 2 cores), when the outputs agree on
 96.6% of the first 500 test2016 lines (90.0% after 500 steps): the rest never end, and there the
-systems' length limits differ (see README, "Speed"). --train-precision bf16 trains under bf16
-autocast: on this Zen 4 CPU (AVX512-BF16) base ran at 766 target tokens/s against 467 in fp32 (6 steps
-each on the Europarl sample, one-off). On --corpus europarl base does not get there in CPU time: at
-rate x0.06 in bf16 the loss was 7.08 after 400 steps and 7.00 after 500 (35 minutes), barely under a
-unigram model's 7.3 with label smoothing, and 26 then 30 of the first 30 newstest2014 outputs ran to
-their length limit (x0.12 in fp32: 7.24 after 350). On a GPU, bench.gpu trains base at the paper's
-25k-token step and rate.
+systems' length limits differ (see README, "Speed"). --train-precision bf16 trains under bf16 autocast:
+on this Zen 4 CPU (AVX512-BF16) base ran at 766 target tokens/s against 467 in fp32 (6 steps each on the
+Europarl sample, one-off). On --corpus europarl base does not get there in CPU time: in a one-off run of
+the train stage as trained_base runs it, but at rate x0.06 in bf16, the loss was 7.08 after 400 steps
+and 7.00 after 500 (35 minutes), barely under a unigram model's 7.3 with label smoothing, and 26 then 30
+of the first 30 newstest2014 outputs ran to their length limit (x0.12 in fp32: 7.24 after 350). On a
+GPU, bench.gpu trains base at the paper's 25k-token step and rate.
 """
 from __future__ import annotations
 
