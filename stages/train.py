@@ -30,7 +30,7 @@ from stages.devices import default_device, mixed_precision, peak_flops, use_fast
 from stages.encode import ParallelIds
 from stages.io import InputPath, OutputPath, PipelineError, Stopped, check, require_dir
 from stages.model_files import Checkpoint, ModelMeta, checkpoint_path, list_checkpoints, make_current, \
-    prune_checkpoints, read_checkpoint, remove_unfinished, setup_dir, write_checkpoint
+    prune_checkpoints, read_checkpoint, read_model, remove_unfinished, setup_dir, write_checkpoint
 from stages.train_inputs import StepInputs, StepStream, training_sampler, within_positions
 from stages.train_metrics import MetricsWindow, Progress, progress_line, summary, write_curves
 from stages.train_state import CheckpointSchedule, Stateful, StopRequest, Topology, UnwrappedModel, differences, \
@@ -91,7 +91,7 @@ class Trainer:
     """One training run: the model, its optimizer and schedule, and the stream of batches."""
 
     def __init__(self, model_config: TransformerConfig, params: TrainParams, *, encoded_dir: Path,
-                 vocab_dir: Path, accelerator: Accelerator) -> None:
+                 vocab_dir: Path, accelerator: Accelerator, init_weights: Path | None = None) -> None:
         self.params, self.acc = params, accelerator
         set_seed(params.seed)
         world, rank = accelerator.num_processes, accelerator.process_index
@@ -105,6 +105,8 @@ class Trainer:
         self.dev_batches = dev_batches[rank::world]
 
         model = Transformer(model_config, vocab.load(vocab_dir).get_piece_size(), vocab.PAD_ID)
+        if init_weights is not None:
+            _start_from(model, init_weights)
         self.n_parameters = sum(p.numel() for p in model.parameters())
         self.meta = ModelMeta(model_config, model.vocab_size, steps=())
         on_gpu = accelerator.device.type == "cuda"
@@ -128,6 +130,7 @@ class Trainer:
             "train": {k: v for k, v in asdict(params).items() if k not in RESUMABLE_CHANGES},
             "vocab": _digest(Path(vocab_dir) / vocab.MODEL_FILE),
             "data": _digest(*sorted(Path(encoded_dir).glob("train.*.npy"))),
+            **({"init": _digest(init_weights)} if init_weights is not None else {}),
             PER_STEP: world * params.grad_accum,
         }
 
@@ -277,19 +280,34 @@ class Trainer:
                 raise Damaged(str(e)) from None
 
 
+def _start_from(model: Transformer, path: Path) -> None:
+    """Load a trained model's weights into `model` (fine-tuning, or one corpus after another); its dropout may
+    differ, not its shape: a model with other weights or shapes is refused, naming the first."""
+    weights, _ = read_model(path)
+    ours = model.state_dict()
+    for name in sorted(ours.keys() | weights.keys()):
+        theirs = tuple(weights[name].shape) if name in weights else "missing"
+        mine = tuple(ours[name].shape) if name in ours else "missing"
+        if theirs != mine:
+            raise PipelineError(f"{path}: cannot start this run: its weight {name} is {theirs}, this model's {mine}")
+    model.load_state_dict(weights)
+
+
 class Damaged(Exception):
     """A checkpoint part that would not load."""
 
 
 def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: InputPath, vocab_dir: InputPath,
         checkpoint_dir: OutputPath, plots_dir: OutputPath, log: MetricsLogger | None = None,
-        accelerator: Accelerator | None = None) -> dict[str, float]:
+        accelerator: Accelerator | None = None, init_weights: str | Path | None = None) -> dict[str, float]:
     """Train to `params.max_steps`, in this setup's folder of `checkpoint_dir` (resuming from its newest
-    checkpoint, if any). Writes checkpoints there and the loss curves <plots_dir>/train.csv and valid.csv."""
+    checkpoint, if any), from random weights or from those of `init_weights` (a model or checkpoint of the same
+    shape and vocabulary size). Writes checkpoints there and the loss curves <plots_dir>/train.csv and valid.csv."""
     encoded_dir = require_dir(encoded_dir, "encoded data (encode stage output)")
     acc = accelerator or Accelerator(cpu=default_device().type == "cpu",
                                      mixed_precision=mixed_precision(params.precision))
-    trainer = Trainer(model_config, params, encoded_dir=encoded_dir, vocab_dir=Path(vocab_dir), accelerator=acc)
+    trainer = Trainer(model_config, params, encoded_dir=encoded_dir, vocab_dir=Path(vocab_dir), accelerator=acc,
+                      init_weights=None if init_weights is None else Path(init_weights))
     # this setup's folder: a run of another setup keeps its own, and going back to it goes on there
     checkpoint_dir = setup_dir(checkpoint_dir, trainer.setup)
     if acc.is_main_process:

@@ -87,6 +87,29 @@ def test_a_changed_setup_trains_beside_the_other_and_going_back_retrains_nothing
     assert back["loss"] == first["loss"] and {p.name: p.stat().st_mtime_ns for p in first_dir.glob("*.pt")} == files
 
 
+def test_a_run_started_from_trained_weights_begins_at_them_in_a_folder_of_its_own(trained, encoded, vocab_dir,
+                                                                                 tmp_path):
+    start = list_checkpoints(trained[0])[-1][1]  # another run's step 6
+
+    def run(config=TINY, **changes):
+        return train.run(config, train_params(**changes), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+                         checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p", init_weights=start)
+
+    run(dataclasses.replace(TINY, dropout=0.0), max_steps=0)  # another dropout may; 0 steps: saved as it began
+    begun = read_checkpoint(list_checkpoints(current_dir(tmp_path / "c"))[-1][1])
+    weights = read_checkpoint(start).parts["model"]
+    assert begun.step == 0 and begun.parts["model"].keys() == weights.keys()
+    for k, v in weights.items():
+        torch.testing.assert_close(begun.parts["model"][k], v, rtol=0, atol=0)
+    from_trained = current_dir(tmp_path / "c")
+    train.run(TINY, train_params(max_steps=0), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+              checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p")  # from random weights: another setup
+    assert current_dir(tmp_path / "c") != from_trained
+    shapes = r"cannot start this run: its weight decoder.0.ffn.net.0.bias is \(64,\), this model's \(128,\)"
+    with pytest.raises(PipelineError, match=shapes):
+        run(dataclasses.replace(TINY, d_ff=128))
+
+
 def _accelerator():
     """On the device train.run picks (a GPU where there is one): one process has one Accelerate state."""
     from accelerate import Accelerator
