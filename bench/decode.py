@@ -5,7 +5,7 @@ MarianMT `generate` and in CTranslate2, in one run.
     python -m bench.decode --model M --vocab-dir V --source S --limit 500
     python -m bench.decode --model M --vocab-dir V --source S --peers ctranslate2   # ours and CTranslate2 only
     python -m bench.decode --model M --vocab-dir V --source S --batch-tokens 4000,16000   # and each at its fastest
-    python -m bench.decode --train-base N --work W --limit 500   # base size, trained here first: see below
+    python -m bench.decode --train-base multi30k:750 --work W --limit 500   # base size, trained here first: see below
 
 The model is exported with the export stage (so all three hold identical weights), then each system,
 in a process of its own as a user runs it (the processes take turns), translates the same source
@@ -17,29 +17,33 @@ where it has one (ours; CTranslate2 and transformers take one limit per batch). 
 tokens produced (sentencepiece pieces of the output) per second, the best of --repeats runs taken in
 turn (this machine's speed drifts by 10-20% between runs), with the ratio of ours to each peer and how
 many output lines are the same; a peer whose lines agree with ours on fewer than 95% gets no ratio.
-With a reference (--reference; by default newstest2014's, or the --corpus test set's) each system's
+With a reference (--reference; by default newstest2014's, or that of --train-base's last corpus) each system's
 sacreBLEU is printed too: what --precisions int8 (the decode stage's and CTranslate2's) costs.
 
---train-base N measures at the paper's base size: the train stage trains Transformer base for N steps
-(3,000 target tokens each, the small Multi30k preset's step) on a shared corpus (--corpus: Multi30k's
-29k captions, decoded on test2016, or 20k Europarl pairs, decoded on newstest2014) with an 8,000-piece
-BPE vocabulary learned by the vocab stage, and its last checkpoint is decoded. Random weights would not
-do: such a model rarely ends a sentence, so each system stops at a different length limit and tokens/s
-would compare different work. The trained model is kept in --work/CORPUS and reused (a larger N goes
-on from it). At the paper's rate, base stays on its plateau at steps this small: 1,500 tokens,
-warm-up 600: loss 6.39 after 400 steps; 3,000 tokens, warm-up 800: 6.12 after 300 (11 of the first
-12 test2016 outputs run to their length limit), falling until the rate passed about 4e-4 and no
-further. So the rate is scaled by 0.12 (`train.lr_scale`: 3,000 / 25,000 tokens, the linear scaling
-rule) over a 250-step warm-up, peaking at 3.4e-4: on the same batches the loss is 5.64 after 300
-steps, 5.06 after 500 and 4.59 after 750 (about 100 minutes on 2 cores), when the outputs agree on
-96.6% of the first 500 test2016 lines (90.0% after 500 steps): the rest never end, and there the
-systems' length limits differ (see README, "Speed"). --train-precision bf16 trains under bf16 autocast:
-on this Zen 4 CPU (AVX512-BF16) base ran at 766 target tokens/s against 467 in fp32 (6 steps each on the
-Europarl sample, one-off). On --corpus europarl base does not get there in CPU time: in a one-off run of
-the train stage as trained_base runs it, but at rate x0.06 in bf16, the loss was 7.08 after 400 steps
-and 7.00 after 500 (35 minutes), barely under a unigram model's 7.3 with label smoothing, and 26 then 30
-of the first 30 newstest2014 outputs ran to their length limit (x0.12 in fp32: 7.24 after 350). On a
-GPU, bench.gpu trains base at the paper's 25k-token step and rate.
+--train-base CORPUS:STEPS[,...] measures at the paper's base size: the train stage trains Transformer base
+on each corpus in turn for its steps (3,000 target tokens each, the small Multi30k preset's step), each
+from the weights the one before ended with, and the last checkpoint is decoded on the last corpus's test
+set: multi30k (Multi30k's 29k captions; test2016) or europarl (the 20k Europarl pairs of WMT14's training
+sample; newstest2014). One 8,000-piece BPE vocabulary, learned by the vocab stage on both, serves every
+plan, so a plan goes on from a shorter one kept in --work (the train stage resumes a run of the same
+setup, or finds it done). Random weights would not do: such a model rarely ends a sentence, so each
+system stops at a different length limit and tokens/s would compare different work. At the paper's
+rate, base stays on its plateau at steps this small: 1,500 tokens, warm-up 600: loss 6.39 after 400
+steps; 3,000 tokens, warm-up 800: 6.12 after 300 (11 of the first 12 test2016 outputs run to their
+length limit), falling until the rate passed about 4e-4 and no further. So the rate is scaled by 0.12
+(`train.lr_scale`: 3,000 / 25,000 tokens, the linear scaling rule) over a 250-step warm-up, peaking at
+3.4e-4: on Multi30k (with a vocabulary of its own, in fp32) the loss was 5.64 after 300 steps, 5.06
+after 500 and 4.59 after 750 (about 100 minutes on 2 cores), when the outputs agreed on 96.6% of the
+first 500 test2016 lines (90.0% after 500 steps): the rest never end, and there the systems' length
+limits differ (see README, "Speed"). --train-precision bf16 trains under bf16 autocast: on this Zen 4
+CPU (AVX512-BF16) base ran at 766 target tokens/s against 467 in fp32 (6 steps each on the Europarl
+sample, one-off). From random weights on europarl alone base does not get there in CPU time: in a
+one-off run (then with a vocabulary of its own) at rate x0.06 in bf16, the loss was 7.08 after 400
+steps and 7.00 after 500 (35 minutes), barely under a unigram model's 7.3 with label smoothing, and 26
+then 30 of the first 30 newstest2014 outputs ran to their length limit (x0.12 in fp32: 7.24 after 350).
+Hence plans like multi30k:750,europarl:300: a few hundred steps on the WMT14 sample from a model that
+already ends its sentences. On a GPU, bench.gpu trains base on that sample at the paper's 25k-token step
+and rate.
 """
 from __future__ import annotations
 
@@ -317,23 +321,41 @@ def report(results: list[Decoded], references: list[str] | None = None) -> list[
     return rows
 
 
-def trained_base(work: Path, steps: int, corpus: str, precision: str = "fp32") -> tuple[Path, Path]:
-    """Transformer base trained `steps` steps by the train stage on a shared corpus (in `precision`), its
-    vocabulary and encoded text made by the vocab and encode stages (bench.gpu's preparation); a run
-    already in `work`/`corpus` is reused (the train stage resumes it, or finds it done)."""
-    from bench.gpu import FULL, model_config, prepare, train_params
+def trained_base(work: Path, plan: tuple[tuple[str, int], ...], precision: str = "fp32") -> tuple[Path, Path]:
+    """Transformer base trained by the train stage on each (corpus, steps) of `plan` in turn, each from the
+    weights the one before ended with (in `precision`), and one vocabulary for both shared corpora; the
+    text, vocabulary and encoding by the vocab and encode stages (bench.gpu's preparation). A run already
+    in `work` is reused (the train stage resumes it, or finds it done)."""
+    from bench.gpu import FULL, model_config, prepare_corpora, train_params
     from stages import train
     from stages.model_files import current_dir, list_checkpoints
 
     sizes = replace(FULL, train_lines=30000, vocab_size=8000, batch_tokens=3000, decode_lines=3003)
-    work = work / corpus
-    if not (work / "encoded").is_dir():
-        prepare(sizes, work, corpus)
-    params = train_params(sizes, max_steps=steps, precision=precision, warmup_steps=250, lr_scale=0.12, log_every=25,
-                          checkpoint_every_steps=min(steps, 100))  # a stopped run goes on from its last hundred
-    train.run(model_config("base"), params, encoded_dir=work / "encoded", vocab_dir=work / "vocab",
-              checkpoint_dir=work / "checkpoints", plots_dir=work / "plots")
-    return list_checkpoints(current_dir(work / "checkpoints"))[-1][1], work / "vocab"
+    if not all((work / corpus / "encoded").is_dir() for corpus in CORPORA):
+        prepare_corpora(sizes, work, tuple(CORPORA))
+    start = None
+    for corpus, steps in plan:
+        params = train_params(sizes, max_steps=steps, precision=precision, warmup_steps=250, lr_scale=0.12,
+                              log_every=25, checkpoint_every_steps=min(steps, 100))  # a stopped run goes on
+        # its folder is named by its setup, the weights it starts from included: each plan keeps its own
+        train.run(model_config("base"), params, encoded_dir=work / corpus / "encoded", vocab_dir=work / "vocab",
+                  checkpoint_dir=work / corpus / "checkpoints", plots_dir=work / corpus / "plots",
+                  init_weights=start)
+        start = list_checkpoints(current_dir(work / corpus / "checkpoints"))[-1][1]
+    assert start is not None
+    return start, work / "vocab"
+
+
+def _plan(text: str) -> tuple[tuple[str, int], ...]:
+    """--train-base: CORPUS:STEPS, comma-separated, trained in that order."""
+    plan = []
+    for part in text.split(","):
+        corpus, _, steps = part.partition(":")
+        if corpus not in CORPORA or not steps.isdigit() or int(steps) < 1:
+            raise argparse.ArgumentTypeError(f"CORPUS:STEPS, comma-separated, each corpus one of "
+                                             f"{', '.join(sorted(CORPORA))} and at least 1 step: not {part!r}")
+        plan.append((corpus, int(steps)))
+    return tuple(plan)
 
 
 def _batch_sizes(text: str) -> tuple[int, ...]:
@@ -367,9 +389,10 @@ def main() -> None:
     ap.add_argument("--peers", type=lambda text: tuple(text.split(",")), default=tuple(PEERS),
                     help=f"comma-separated, of {', '.join(PEERS)}: the systems to run beside ours (a long "
                          "transformers run between ours and CTranslate2's leaves time for the machine to drift)")
-    ap.add_argument("--train-base", type=int, metavar="STEPS", help="train Transformer base this many steps first")
+    ap.add_argument("--train-base", type=_plan, metavar="CORPUS:STEPS[,...]",
+                    help=f"train Transformer base first, on each corpus ({', '.join(sorted(CORPORA))}) in turn "
+                         "for its steps, e.g. multi30k:750,europarl:300")
     ap.add_argument("--work", type=Path, help="where --train-base keeps its model (default: a temporary folder)")
-    ap.add_argument("--corpus", choices=sorted(CORPORA), help="what --train-base trains on (default: multi30k)")
     ap.add_argument("--train-precision", choices=("fp32", "bf16"), help="what --train-base trains in (default: "
                     "fp32; bf16 autocast took base 1.6x the tokens/s on this Zen 4 CPU, which has AVX512-BF16)")
     args = ap.parse_args()
@@ -379,21 +402,17 @@ def main() -> None:
         ap.error(f"--peers: unknown {', '.join(sorted(unknown))} (known: {', '.join(PEERS)})")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, not {args.repeats}")
-    if args.train_base is not None and args.train_base < 1:
-        ap.error(f"--train-base must be at least 1 step, not {args.train_base}")
     if args.work and args.train_base is None:
         ap.error("--work is where --train-base keeps its model: give --train-base too")
-    for name in ("corpus", "train_precision"):
-        if getattr(args, name) and args.train_base is None:
-            ap.error(f"--{name.replace('_', '-')} is for --train-base's training: give --train-base too")
-    args.corpus = args.corpus or "multi30k"
+    if args.train_precision and args.train_base is None:
+        ap.error("--train-precision is for --train-base's training: give --train-base too")
     with tempfile.TemporaryDirectory() as tmp:
         if args.train_base is not None:
-            args.model, args.vocab_dir = trained_base(args.work or Path(tmp), args.train_base, args.corpus,
+            args.model, args.vocab_dir = trained_base(args.work or Path(tmp), args.train_base,
                                                        args.train_precision or "fp32")
             if args.source is None:
-                args.source = Path(CORPORA[args.corpus]["test"]["en"])
-                args.reference = args.reference or Path(CORPORA[args.corpus]["test"]["de"])
+                test = CORPORA[args.train_base[-1][0]]["test"]
+                args.source, args.reference = Path(test["en"]), args.reference or Path(test["de"])
         if args.source is None:
             args.source, args.reference = NEWSTEST, args.reference or NEWSTEST_REF
         for name, path in (("--source", args.source), ("--reference", args.reference)):

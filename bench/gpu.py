@@ -114,24 +114,43 @@ def train_params(sizes: Sizes, **changes):
 
 def prepare(sizes: Sizes, work: Path, corpus: str = "europarl") -> dict[str, Any]:
     """Text, vocabulary and encoded corpus, by the pipeline's own vocab and encode stages."""
+    return prepare_corpora(sizes, work, (corpus,))
+
+
+def prepare_corpora(sizes: Sizes, work: Path, corpora: tuple[str, ...]) -> dict[str, Any]:
+    """Each corpus's text and encoded text (one corpus: in `work`, several: in `work`/<corpus>), with one
+    vocabulary learned on all their training text, so a model trained on one can go on with another."""
     from stages import encode, vocab
     from stages.io import write_manifest
 
-    text = work / "text"
-    text.mkdir(parents=True, exist_ok=True)  # a preparation cut short is done again
-    limits = {"train": sizes.train_lines, "dev": 500, "test": sizes.decode_lines}
-    counts = {}
-    for split, paths in CORPORA[corpus].items():
-        for lang, path in paths.items():
-            lines = Path(path).read_text(encoding="utf-8").splitlines()[: limits[split]]
-            (text / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-            counts[split] = len(lines)
-    write_manifest(text, "en", "de", counts)
     start = time.perf_counter()
+    limits = {"train": sizes.train_lines, "dev": 500, "test": sizes.decode_lines}
+    homes = {corpus: work if len(corpora) == 1 else work / corpus for corpus in corpora}
+    counts: dict[str, dict[str, int]] = {}
+    for corpus, home in homes.items():
+        text = home / "text"
+        text.mkdir(parents=True, exist_ok=True)  # a preparation cut short is done again
+        counts[corpus] = {}
+        for split, paths in CORPORA[corpus].items():
+            for lang, path in paths.items():
+                lines = Path(path).read_text(encoding="utf-8").splitlines()[: limits[split]]
+                (text / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+                counts[corpus][split] = len(lines)
+        write_manifest(text, "en", "de", counts[corpus])
+    learn_from = homes[corpora[0]] / "text"
+    if len(corpora) > 1:  # the vocab stage learns from one folder's train split: all corpora's, joined
+        learn_from = work / "text"
+        learn_from.mkdir(parents=True, exist_ok=True)
+        for lang in ("en", "de"):
+            joined = "".join((home / "text" / f"train.{lang}").read_text(encoding="utf-8") for home in homes.values())
+            (learn_from / f"train.{lang}").write_text(joined, encoding="utf-8")
+        write_manifest(learn_from, "en", "de", {"train": sum(c["train"] for c in counts.values())})
     vocab.run(vocab.VocabParams(model_type="bpe", vocab_size=sizes.vocab_size, character_coverage=1.0,
-                                input_sentence_size=0, seed=1), clean_dir=text, out_dir=work / "vocab")
-    encode.run(clean_dir=text, vocab_dir=work / "vocab", out_dir=work / "encoded")
-    return {"pairs": counts, "vocab_size": sizes.vocab_size, "seconds": time.perf_counter() - start}
+                                input_sentence_size=0, seed=1), clean_dir=learn_from, out_dir=work / "vocab")
+    for home in homes.values():
+        encode.run(clean_dir=home / "text", vocab_dir=work / "vocab", out_dir=home / "encoded")
+    pairs = counts[corpora[0]] if len(corpora) == 1 else counts
+    return {"pairs": pairs, "vocab_size": sizes.vocab_size, "seconds": time.perf_counter() - start}
 
 
 def throughput(sizes: Sizes, work: Path, model: str, system: str, accum: int) -> dict[str, Any]:
