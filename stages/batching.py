@@ -162,11 +162,12 @@ class BatchSampler:
 
 def pad(rows: list, pad_id: int = PAD_ID, multiple: int = 1) -> torch.Tensor:
     """Rows of token ids of any lengths as one (rows, longest) int64 tensor, padded at the end; the
-    width rounded up to a multiple of `multiple` (8 on GPUs: tensor-core tiles, and fewer shapes)."""
+    width rounded up to a multiple of `multiple` (8 on GPUs: tensor-core tiles, and fewer shapes). On
+    the host whatever torch's default device is: batches are pinned there and copied without blocking."""
     width = -(-max(map(len, rows), default=0) // multiple) * multiple
-    out = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    out = torch.full((len(rows), width), pad_id, dtype=torch.long, device="cpu")
     for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.as_tensor(np.asarray(row, dtype=np.int64))
+        out[i, : len(row)] = torch.from_numpy(np.asarray(row, dtype=np.int64))
     return out
 
 

@@ -68,9 +68,11 @@ def load_translator(model_path: str | Path, device: torch.device, precision: str
 
 
 def read_transformer(model_path: str | Path) -> Transformer:
-    """The model as trained (fp32, on the CPU, in training mode), from an averaged model or a checkpoint."""
+    """The model as trained (fp32, on the CPU whatever torch's default device is, in training mode), from an
+    averaged model or a checkpoint: the CPU's packed layers are made from it before it moves anywhere."""
     weights, meta = read_model(model_path)
-    model = Transformer(meta.config, meta.vocab_size, vocab.PAD_ID)
+    with torch.device("cpu"):
+        model = Transformer(meta.config, meta.vocab_size, vocab.PAD_ID)
     model.load_state_dict(weights)
     return model
 
@@ -123,7 +125,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         weight = weight.detach().float()
         scales = weight.abs().amax(dim=1).clamp(min=1e-12).double() / 127
-        zero = torch.zeros(len(scales), dtype=torch.long)
+        zero = torch.zeros_like(scales, dtype=torch.long)
         with warnings.catch_warnings():  # the deprecation above, once per process: not the user's to act on
             warnings.simplefilter("ignore", UserWarning)
             q = torch.quantize_per_channel(weight, scales, zero, 0, torch.qint8)

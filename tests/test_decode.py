@@ -48,6 +48,19 @@ def test_decode_batch_size_does_not_change_translations(averaged, vocab_dir, cle
     assert one == many
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_decoding_on_cpus_makes_nothing_on_torchs_default_device(averaged, vocab_dir, cleaned, precision):
+    # A default device set elsewhere (a notebook's set_default_device("cuda"), TEST_DEVICE=cuda) must not
+    # leak in: on "meta" any tensor made there has no data, and mixing it with the CPU's raises.
+    lines, sp = list(read_lines(cleaned[0] / "dev.en"))[:8], vocab.load(vocab_dir)
+    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
+                                 max_length_extra=3, batch_tokens=100)
+    expected = decode.translate(decode.load_translator(averaged[0], torch.device("cpu"), precision), sp, lines, params)
+    with torch.device("meta"):
+        model = decode.load_translator(averaged[0], torch.device("cpu"), precision)
+        assert decode.translate(model, sp, lines, params) == expected
+
+
 def test_translate_leaves_the_cycle_collector_as_it_found_it(averaged, vocab_dir, monkeypatch):
     model, sp = decode.load_translator(averaged[0], torch.device("cpu")), vocab.load(vocab_dir)
     params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
@@ -72,7 +85,14 @@ def test_translate_leaves_the_cycle_collector_as_it_found_it(averaged, vocab_dir
         (gc.enable if was else gc.disable)()
 
 
-def test_fp32_on_cpus_runs_every_product_on_packed_weights_as_the_plain_model(averaged):
+@pytest.fixture
+def on_cpu():
+    """For tests of the CPU's own paths: the tensors they make go to the CPU whatever TEST_DEVICE says."""
+    with torch.device("cpu"):
+        yield
+
+
+def test_fp32_on_cpus_runs_every_product_on_packed_weights_as_the_plain_model(averaged, on_cpu):
     plain = decode.read_transformer(averaged[0]).eval()
     packed = decode.load_translator(averaged[0], torch.device("cpu"))
     assert isinstance(packed.pre_softmax, decode.PackedPreSoftmax)
@@ -100,7 +120,7 @@ def test_fp32_on_cpus_runs_every_product_on_packed_weights_as_the_plain_model(av
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_int8_model_runs_every_product_in_int8_close_to_fp32(averaged):
+def test_int8_model_runs_every_product_in_int8_close_to_fp32(averaged, on_cpu):
     fp32 = decode.load_translator(averaged[0], torch.device("cpu"))
     int8 = decode.load_translator(averaged[0], torch.device("cpu"), "int8")
     assert not any(isinstance(m, torch.nn.Linear) for m in int8.modules())
