@@ -287,13 +287,11 @@ def profile(sizes: Sizes, work: Path) -> dict[str, Any]:
             "table": events.table(sort_by=key, row_limit=20, max_name_column_width=60)}
 
 
-def decode(sizes: Sizes, work: Path) -> dict[str, Any]:
-    """Base (tiny with --smoke) trained by the train stage in bf16 for a short while, so that it ends
-    its sentences rather than running to the length limit as random weights do (the share of
-    identical outputs shows whether it does), then decoded by every system at every precision."""
-    import sacrebleu
-
-    from bench.decode import decode_all, report
+def decode_weights(sizes: Sizes, work: Path) -> tuple[Path, str, dict[str, Any]]:
+    """Base (tiny with --smoke) trained by the train stage in bf16 for a short while on the prepared
+    sample, so that it ends its sentences rather than running to the length limit as random weights
+    do: its last checkpoint, its name and the train stage's metrics. Also what the CPU bench decodes
+    (`bench.decode --model` it, after `--parts decode --work W`, or after this alone)."""
     from stages import train
     from stages.model_files import current_dir, list_checkpoints
 
@@ -304,15 +302,30 @@ def decode(sizes: Sizes, work: Path) -> dict[str, Any]:
                           log_every=max(steps // 10, 1))
     trained = train.run(model_config(name), params, encoded_dir=work / "encoded", vocab_dir=work / "vocab",
                         checkpoint_dir=work / "checkpoints-decode", plots_dir=work / "plots-decode")
-    model_path = list_checkpoints(current_dir(work / "checkpoints-decode"))[-1][1]
+    return list_checkpoints(current_dir(work / "checkpoints-decode"))[-1][1], name, trained
+
+
+def decode(sizes: Sizes, work: Path) -> dict[str, Any]:
+    """decode_weights' model decoded by every system at every precision (the share of identical outputs
+    shows whether it ends its sentences)."""
+    import sacrebleu
+
+    from bench.decode import decode_all, report
+
+    model_path, name, trained = decode_weights(sizes, work)
+    steps = sizes.decode_train_steps
     lines = (work / "text/test.en").read_text(encoding="utf-8").splitlines()
     refs = (work / "text/test.de").read_text(encoding="utf-8").splitlines()
-    with tempfile.TemporaryDirectory(dir=work) as tmp:
-        results, unavailable = decode_all(model_path, work / "vocab", lines, 4, (8000,), sizes.decode_precisions,
-                                          Path(tmp))
+    results, unavailable = [], {}
+    for precision in sizes.decode_precisions:  # each printed as it ends: a run cut short keeps the first in its log
+        with tempfile.TemporaryDirectory(dir=work) as tmp:
+            done, why = decode_all(model_path, work / "vocab", lines, 4, (8000,), (precision,), Path(tmp))
+        print("\n".join(report(done)), flush=True)
+        results, unavailable = results + done, unavailable | why
     ours = {r.precision: r for r in results if r.system.startswith("ours")}
     return {"sentences": len(lines), "weights": f"{name}, {steps} steps of bf16 training (loss "
-                                                f"{trained['loss']:.2f})", "table": report(results),
+                                                f"{trained['loss']:.2f})", "model": str(model_path),
+            "table": report(results),
             "unavailable": unavailable,
             "systems": [{"system": r.system, "precision": r.precision, "tgt_tokens_per_sec": r.rate,
                          "seconds": r.seconds, "tokens": r.tokens,
@@ -469,7 +482,8 @@ def main() -> None:
                     help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
     ap.add_argument("--part-timeout", type=float, default=0.0,
                     help="seconds each measurement may take before it is stopped and reported so (0: no limit)")
-    ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--work", type=Path, help="keep the prepared data and the trained models here, e.g. to decode "
+                    "decode's model on the CPU afterwards (default: a temporary folder, removed at the end)")
     ap.add_argument("--part", help=argparse.SUPPRESS)
     ap.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--accum", type=int, default=1, help=argparse.SUPPRESS)
@@ -498,7 +512,8 @@ def main() -> None:
         return None if "error" in result else result
 
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
-        work = Path(tmp)
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         if set(args.parts) - {"multi30k"}:  # every other part reads the prepared Europarl sample
             results["prepare"] = measured("prepare", "prepare")
             if results["prepare"] is None:
