@@ -6,6 +6,7 @@ it measured) and prints (and writes beside it, as markdown) a readable table.
     python -m bench.gpu --out gpu.json                       # on a GPU machine: every part
     python -m bench.gpu --parts throughput,profile,curves    # some parts only
     python -m bench.gpu --smoke                              # tiny sizes, on a CPU too, end to end (CI runs it)
+    python -m bench.gpu --parts decode --work W              # keeps decode's model: bench.decode --model it on the CPU
 
 1. Data: the shared WMT14 Europarl sample (20k pairs) with a BPE vocabulary learned on it by the vocab
    stage (37k pieces, the paper's size; 800 with --smoke) and encoded by the encode stage.
@@ -25,9 +26,9 @@ it measured) and prints (and writes beside it, as markdown) a readable table.
    train, average, decode, score) with the presets multi30k and multi30k-gpu: the time of each and
    test2016 BLEU.
 
-On an H100 (README, "Speed"): throughput and profile took 1.9 minutes, curves 2 more; decode and
-multi30k ran past their 5-minute limits before cuDNN's attention was switched off and have not run
-since.
+On an H100 (README, "Speed"): throughput and profile took 1.9 minutes, curves 2 more; multi30k ran
+past its 5-minute limit before cuDNN's attention was switched off and has not run since. On an H200,
+decode took 3.8 minutes, preparation included.
 
 Each measurement runs in a process of its own (a fresh Accelerate state and a clean peak-memory
 count); one that runs out of memory is retried with twice the accumulation, one that runs past
