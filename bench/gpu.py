@@ -324,8 +324,10 @@ def decode(sizes: Sizes, work: Path) -> dict[str, Any]:
         print("\n".join(report(done)), flush=True)
         results, unavailable = results + done, unavailable | why
     ours = {r.precision: r for r in results if r.system.startswith("ours")}
-    return {"sentences": len(lines), "weights": f"{name}, {steps} steps of bf16 training (loss "
-                                                f"{trained['loss']:.2f})", "model": str(model_path),
+    mfu = f", {trained['mean_mfu']:.1%} MFU" if trained.get("mean_mfu") is not None else ""
+    return {"sentences": len(lines), "weights": f"{name}, {steps} steps of bf16 training (loss {trained['loss']:.2f}; "
+                                                f"{trained['mean_tgt_tokens_per_sec']:,.0f} target tokens/s{mfu})",
+            "model": str(model_path),
             "table": report(results),
             "unavailable": unavailable,
             "systems": [{"system": r.system, "precision": r.precision, "tgt_tokens_per_sec": r.rate,
@@ -489,6 +491,8 @@ def main() -> None:
     ap.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--accum", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.work is not None and args.work.exists() and not args.work.is_dir():
+        ap.error(f"--work {args.work}: not a folder (it is where the data and models are kept)")
     if args.part_timeout < 0:
         ap.error(f"--part-timeout must be 0 (no limit) or more seconds, not {args.part_timeout}")
     if unknown := set(args.parts) - set(PARTS):
