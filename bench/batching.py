@@ -20,7 +20,7 @@ import numpy as np
 import sentencepiece as spm
 
 from stages.batching import token_batches
-from bench import SHARED
+from bench.common import SHARED
 
 
 

@@ -17,13 +17,12 @@ from pathlib import Path
 
 from stages import clean
 from stages.io import write_manifest
-from bench import SHARED
+from bench.common import SHARED, settings
 
 SAMPLES = {"europarl-v7": "uedin-toy/europarl-v7.first10k", "news-commentary": "uedin-toy/news-commentary.first10k",
            "europarl-20k": "hf-europarl-20k/train"}
 WMT14_EN_DE_PAIRS = 4_520_620  # Europarl v7 + Common Crawl + News Commentary v9, as distributed
-PARAMS = clean.CleanParams(max_tokens=250, max_chars=2000, max_ratio=1.5, keep_copies=False, drop_duplicates=True,
-                           normalize_punctuation=True, unicode_form="NFC", invalid_utf8="drop", workers=1)
+PARAMS = settings({"clean.drop_duplicates": True, "clean.invalid_utf8": "drop", "clean.workers": 1}).clean
 
 
 def sample_raw(raw: Path) -> dict[str, int]:

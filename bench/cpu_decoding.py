@@ -1,4 +1,4 @@
-"""fp32 decoding on CPUs, where the decode stage does not do as plain PyTorch does: each part against
+"""fp32 decoding on CPUs, where translate/cpu.py does not do as plain PyTorch does: each part against
 PyTorch's own way, in one run.
 
     python -m bench.cpu_decoding                       # the parts alone, Multi30k's and WMT14's shapes
@@ -6,27 +6,26 @@ PyTorch's own way, in one run.
 
 The parts, at the row counts a decoding step has (beams x sentences), random weights, each pair timed
 in turn (best of --repeats), with the ratio and the largest difference of their outputs:
-- the pre-softmax projection d_model -> vocabulary: PackedPreSoftmax (oneDNN on weights packed once;
-  above 32 MB of logits MKL into a buffer kept across steps) against MKL into that buffer (PreSoftmax),
-  and the ratio oneDNN would give without the size limit;
+- the pre-softmax projection d_model -> vocabulary: PackedOutput (oneDNN on weights packed once; above
+  32 MB of logits MKL into a buffer kept across steps) against MKL into that buffer, and the ratio
+  oneDNN would give without the size limit;
 - a step's linear layers of a --decoder-layers deep decoder, in the order a step runs them (so each
   weight comes from memory, as in decoding): PackedLinear (oneDNN on weights packed once, the
   feed-forward's ReLU in its first product) against nn.Linear (MKL) and a ReLU of its own;
 - a step's attention at --keys keys, self-attention (one query per matrix) and attention to the source
-  (4 beams per matrix): the fused kernel against two batched products, and which the decode stage
-  takes (fused_decoding_is_faster);
+  (4 beams per matrix): scaled_dot_product_attention against two batched products, and which the
+  CPU backend takes (fused_attention_is_faster);
 - beam search's choice of each sentence's best 2K extensions from (sentences, 4 beams, vocabulary)
   log-probabilities: best_candidates (the best chunks first) against a full top-k.
 --threads 1 shows what a second thread gives each.
 
-With a model, five translators of it, each with one change more than the one before, translate the
+With a model, five translators of it, each with one transform more than the one before, translate the
 first --limit lines of --source in one process, alternating for --rounds rounds: plain (the model as
-trained: nn.Linear, PreSoftmax), + PackedPreSoftmax, + PackedLinear (every linear layer, the ReLU
-fused), + self-attention's q, k and v in one product (fuse_projections), all four attending in
-decoding with two batched products, + the fused kernel at small steps (fused_decoding_is_faster: the
-decode stage's translator). It prints the medians (and each one's range over the rounds: this machine
-drifts), each change's own ratio and how many lines all five translate the same (they should all be).
-All search with best_candidates."""
+trained), + self-attention's q, k and v in one product (fuse_self_attention), + decoding's attention
+(DecodingAttention), + PackedOutput, + PackedLinear (every linear layer, the ReLU fused: the CPU
+backend's whole fp32 set, as the decode stage runs it). All search with best_candidates. It prints the
+medians (and each one's range over the rounds, as machines drift), each transform's own ratio and how
+many lines all five translate the same (they should all be)."""
 from __future__ import annotations
 
 import argparse
@@ -39,14 +38,15 @@ import torch
 from torch import nn
 
 from stages import vocab
-from stages.decode import (
-    DecodeParams, PackedLinear, PackedPreSoftmax, load_translator, pack_linear_layers, read_transformer, translate)
-from stages.devices import keep_freed_memory
+from stages.decode import read_transformer, translate
 from stages.io import PipelineError, read_lines
-import transformer.attention as attention
-from transformer.attention import attend, fused_decoding_is_faster
-from transformer.beam_search import best_candidates
-from transformer.model import PreSoftmax
+from stages.params import DecodeParams
+from translate import cpu
+from translate.translator import Translator
+from translate.beam_search import top_k
+from translate.transforms import fuse_self_attention
+from transformer.attention import MultiHeadAttention
+from transformer.model import Transformer
 
 
 def _best(work: Callable[[], object], repeats: int) -> float:
@@ -60,20 +60,20 @@ def _best(work: Callable[[], object], repeats: int) -> float:
 
 
 def projection(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> None:
-    keep_freed_memory()  # as the decode stage runs it
+    cpu.keep_freed_memory()  # as the CPU backend runs it
     torch.manual_seed(0)
     for d_model, vocab_size in shapes:
         weight = torch.randn(vocab_size, d_model) * d_model**-0.5
-        plain, packed = PreSoftmax(), PackedPreSoftmax(weight)
+        packed = cpu.PackedOutput(weight)
         for n in rows:
             x, buffer = torch.randn(n, 1, d_model), torch.empty(n, 1, vocab_size)
-            mkl = _best(lambda: plain(x, weight, buffer), repeats)
-            ours = _best(lambda: packed(x, weight, buffer), repeats)
-            onednn = _best(lambda: packed.linear(x), repeats)  # what the limit avoids: a fresh output each call
-            error = float((packed(x, weight, buffer) - plain(x, weight, buffer)).abs().max())
+            mkl = _best(lambda: torch.matmul(x, weight.t(), out=buffer), repeats)
+            ours = _best(lambda: packed(x), repeats)
+            onednn = _best(lambda: packed.packed(x), repeats)  # what the limit avoids: a fresh output each call
+            error = float((packed(x) - torch.matmul(x, weight.t())).abs().max())
             flops = 2 * n * d_model * vocab_size
             print(f"{d_model:>5} -> {vocab_size:<6} {n:>5} rows ({buffer.nbytes / 2**20:5.1f} MB of logits): "
-                  f"MKL into a buffer {mkl * 1e3:7.2f} ms ({flops / mkl / 1e9:4.0f} GFLOP/s), PackedPreSoftmax "
+                  f"MKL into a buffer {mkl * 1e3:7.2f} ms ({flops / mkl / 1e9:4.0f} GFLOP/s), PackedOutput "
                   f"{ours * 1e3:7.2f} ms ({flops / ours / 1e9:4.0f}): {mkl / ours:.2f}x; oneDNN at every size "
                   f"{mkl / onednn:.2f}x  (largest difference {error:.1e})")
 
@@ -87,7 +87,7 @@ def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats
                  (d_model, d_ff), (d_ff, d_model)]  # feed-forward: the first with a ReLU
     relu = [n_out == d_ff for _, n_out in per_layer] * layers
     plain = [nn.Linear(n_in, n_out) for n_in, n_out in per_layer * layers]
-    ours = [PackedLinear(linear.weight, linear.bias, relu=r) for linear, r in zip(plain, relu, strict=True)]
+    ours = [cpu.PackedLinear(linear.weight, linear.bias, relu=r) for linear, r in zip(plain, relu, strict=True)]
     megabytes = sum(linear.weight.nbytes for linear in plain) / 2**20
     for n in rows:
         inputs = {width: torch.randn(n, 1, width) for width in (d_model, d_ff)}
@@ -105,11 +105,12 @@ def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats
 
 def attention_kernels(d_model: int, heads: int, rows: list[int], keys: list[int], repeats: int,
                       beams: int = 4) -> None:
-    """A decoding step's attention, the fused kernel against two batched products: self-attention (one
-    query per matrix, each row its own keys) and attention to the source (a sentence's beams against its
-    keys, the last two padding), and which of the two the decode stage takes."""
+    """A decoding step's attention, scaled_dot_product_attention against two batched products:
+    self-attention (one query per matrix, each row its own keys) and attention to the source (a
+    sentence's beams against its keys, the last two padding), and which of the two the CPU backend takes."""
     torch.manual_seed(0)
     d = d_model // heads
+    sdpa = MultiHeadAttention(d_model, heads, d, d, 0.0).eval()
     for n in rows:
         for t in keys:
             sentences = max(n // beams, 1)
@@ -120,10 +121,10 @@ def attention_kernels(d_model: int, heads: int, rows: list[int], keys: list[int]
             padding[:, max(t - 2, 1):] = True
             cells = []
             for name, (q, k, v), mask in (("self", self_qkv, None), ("source", source_qkv, padding)):
-                products = _best(lambda: attend(q, k, v, mask, fused=False), repeats)
-                fused = _best(lambda: attend(q, k, v, mask, fused=True), repeats)
-                error = float((attend(q, k, v, mask, fused=False) - attend(q, k, v, mask)).abs().max())
-                pick = fused_decoding_is_faster(q.numel() // d, q.size(2), t)
+                products = _best(lambda: cpu.attend_by_products(q, k, v, mask), repeats)
+                fused = _best(lambda: sdpa.attend(q, k, v, mask, causal=False), repeats)
+                error = float((cpu.attend_by_products(q, k, v, mask) - sdpa.attend(q, k, v, mask, False)).abs().max())
+                pick = cpu.fused_attention_is_faster(q.numel() // d, q.size(2), t)
                 cells.append(f"{name}: products {products * 1e6:6.0f} us, fused {fused * 1e6:6.0f} us "
                              f"({products / fused:.2f}x, takes {'fused' if pick else 'products'}; "
                              f"difference {error:.0e})")
@@ -137,53 +138,52 @@ def selection(vocab_sizes: list[int], sentences: list[int], repeats: int, beams:
             lprobs, scores = torch.log_softmax(torch.randn(n, beams, vocab_size) * 3, -1), torch.randn(n, beams)
             buffer = lprobs.clone()  # both may overwrite their input, as beam search lets them
 
-            def full() -> tuple[torch.Tensor, torch.Tensor]:
-                return buffer.copy_(lprobs).add_(scores.unsqueeze(-1)).view(n, -1).topk(2 * beams, dim=1)
+            def full() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                return top_k(buffer.copy_(lprobs), scores, 2 * beams)
 
             def chunked() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-                return best_candidates(buffer.copy_(lprobs), scores, 2 * beams)
+                return cpu.best_candidates(buffer.copy_(lprobs), scores, 2 * beams)
 
             copy = _best(lambda: buffer.copy_(lprobs), repeats)  # taken out of both
             a, b = _best(full, repeats) - copy, _best(chunked, repeats) - copy
-            same = torch.equal(full().values, chunked()[0])
+            same = torch.equal(full()[0], chunked()[0])
             print(f"{vocab_size:>6} tokens x {beams} beams, {n:>4} sentences: full top-k {a * 1e3:6.2f} ms, "
                   f"best_candidates {b * 1e3:6.2f} ms: {a / b:.2f}x  (same sums: {same})")
 
 
-@torch.inference_mode()
+# The CPU backend's fp32 transforms in the order it applies them; each translator takes one more.
+TRANSFORMS = (("+ fused q, k, v", fuse_self_attention), ("+ decoding's attention", cpu.attend_for_decoding),
+              ("+ PackedOutput", cpu.pack_output), ("+ PackedLinear", cpu.pack_linear_layers))
+VARIANTS = {"plain": (), **{name: tuple(t for _, t in TRANSFORMS[: i + 1]) for i, (name, _) in enumerate(TRANSFORMS)}}
+
+
+def _translator(model_path: Path, transforms: tuple[Callable[[Transformer], None], ...]) -> Translator:
+    def backend(model: Transformer):
+        cpu.keep_freed_memory()
+        for transform in transforms:
+            transform(model)
+        return cpu.best_candidates
+
+    return Translator(read_transformer(model_path), "cpu", bos_id=vocab.BOS_ID, eos_id=vocab.EOS_ID, backend=backend)
+
+
 def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds: int, batch_tokens: int) -> None:
-    stage = load_translator(model_path, torch.device("cpu"))
-    if not isinstance(stage.pre_softmax, PackedPreSoftmax):
-        raise SystemExit("this PyTorch has no oneDNN (torch.backends.mkldnn): the decode stage uses MKL alone")
-    plain, projection, packed = (read_transformer(model_path).eval() for _ in range(3))
-    for model in (projection, packed):
-        model.pre_softmax = PackedPreSoftmax(model.embed.weight)
-    pack_linear_layers(packed)
+    if not torch.backends.mkldnn.is_available():
+        raise SystemExit("this PyTorch has no oneDNN (torch.backends.mkldnn): the CPU backend uses MKL alone")
+    translators = {name: _translator(model_path, transforms) for name, transforms in VARIANTS.items()}
     sp = vocab.load(vocab_dir)
     lines = list(read_lines(source))[:limit]
     params = DecodeParams(beam_size=4, length_penalty=0.6, length_penalty_formula="power", stop="finished",
                           max_length_extra=50, batch_tokens=batch_tokens)
-    def products(queries: int, per_matrix: int, keys: int) -> bool:  # decoding's attention before 2026-11-25
-        return False
-
-    models = {"plain": (plain, products), "+ PackedPreSoftmax": (projection, products),
-              "+ PackedLinear": (packed, products), "+ fused q, k, v": (stage, products),
-              "+ fused attention": (stage, attention.fused_decoding_is_faster)}  # the last: the decode stage
-    times: dict[str, list[float]] = {name: [] for name in models}
+    times: dict[str, list[float]] = {name: [] for name in translators}
     outputs: dict[str, list[str]] = {}
-    rule = attention.fused_decoding_is_faster
-    try:
-        for model, chooses in models.values():
-            attention.fused_decoding_is_faster = chooses  # decoding's attention, as this translator chooses it
-            translate(model, sp, lines[:8], params, "warm-up")
-        for _ in range(rounds):  # in turn, so a slow spell of the machine falls on all
-            for name, (model, chooses) in models.items():
-                attention.fused_decoding_is_faster = chooses
-                start = time.perf_counter()
-                outputs[name] = translate(model, sp, lines, params, name)
-                times[name].append(time.perf_counter() - start)
-    finally:
-        attention.fused_decoding_is_faster = rule
+    for translator in translators.values():
+        translate(translator, sp, lines[:8], params, "warm-up")
+    for _ in range(rounds):  # in turn, so a slow spell of the machine falls on all
+        for name, translator in translators.items():
+            start = time.perf_counter()
+            outputs[name] = translate(translator, sp, lines, params, name)
+            times[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(t) for name, t in times.items()}
     same = sum(len(set(translations)) == 1 for translations in zip(*outputs.values(), strict=True)) / len(lines)
     print(f"{len(lines)} lines of {source.name}, beam 4, batches of {batch_tokens} source tokens, "
@@ -191,7 +191,7 @@ def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds
     previous = medians["plain"]
     for name, median in medians.items():
         low, high = min(times[name]) * 1e3, max(times[name]) * 1e3
-        print(f"  {name:<18} {median * 1e3:8.0f} ms  (rounds {low:.0f}-{high:.0f}; this change alone "
+        print(f"  {name:<24} {median * 1e3:8.0f} ms  (rounds {low:.0f}-{high:.0f}; this transform alone "
               f"{previous / median:.2f}x, plain / this {medians['plain'] / median:.2f}x)")
         previous = median
     print(f"  same translations: {same:.1%}")

@@ -17,7 +17,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from stages.encode import encode_file
-from bench import SHARED
+from bench.common import SHARED
 
 STEMS = ["hf-europarl-20k/train", "uedin-toy/europarl-v7.first10k", "uedin-toy/news-commentary.first10k"]
 

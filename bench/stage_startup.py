@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import SHARED
+from bench.common import SHARED
 from stages.io import write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]

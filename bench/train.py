@@ -24,11 +24,10 @@ from stages import export
 from stages.batching import collate, token_batches
 from stages.devices import default_device
 from stages.vocab import PAD_ID
-from transformer import Transformer, TransformerConfig, label_smoothed_nll_loss
-from bench import SHARED
-
-SAMPLE = SHARED / "wmt14/train-sample/hf-europarl-20k/train"
-PRESETS = {"base": dict(d_model=512, n_heads=8, d_ff=2048), "big": dict(d_model=1024, n_heads=16, d_ff=4096)}
+from bench.common import SAMPLE, model_config
+from transformer.config import TransformerConfig
+from transformer.loss import label_smoothed_nll_loss
+from transformer.model import Transformer
 
 
 class RandomCorpus:
@@ -77,7 +76,7 @@ def marian(config: TransformerConfig, vocab_size: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", choices=PRESETS, default="base")
+
     ap.add_argument("--vocab-size", type=int, default=37000)
     ap.add_argument("--batch-tokens", type=int, default=3000, help="per side per step")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per model")
@@ -88,8 +87,7 @@ def main() -> None:
 
     device = default_device()
     torch.manual_seed(0)
-    config = TransformerConfig(**PRESETS[args.preset], encoder_layers=6, decoder_layers=6, dropout=0.1,
-                               attention_dropout=0.0, norm="post", positions="sinusoidal", max_positions=1024)
+    config = model_config(args.preset)
     data = batches(args.batch_tokens, args.vocab_size, args.warmup + args.steps)
     runs = {}
     for name, build in (("ours", ours), ("MarianMT (transformers)", marian)):

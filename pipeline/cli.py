@@ -80,8 +80,8 @@ def translate_command(args: argparse.Namespace) -> None:
     if args.input is not None and not args.input.is_file():
         raise PipelineError(f"{args.input}: input file not found")
     lines = [line.rstrip("\n") for line in (args.input.open(encoding="utf-8") if args.input else sys.stdin)]
-    model = decode.load_translator(args.model, default_device(), params.precision)
-    for line in decode.translate(model, vocab.load(args.vocab_dir), lines, params, desc="translate"):
+    translator = decode.load_translator(args.model, default_device(), params.precision)
+    for line in decode.translate(translator, vocab.load(args.vocab_dir), lines, params, desc="translate"):
         print(line)
 
 
@@ -89,7 +89,7 @@ def model_size(params: Params) -> str:
     """The preset's parameter count, built on the meta device (no memory, no time)."""
     import torch
 
-    from transformer import Transformer
+    from transformer.model import Transformer
 
     with torch.device("meta"):
         model = Transformer(params.model, params.vocab.vocab_size, vocab.PAD_ID)

@@ -1,4 +1,5 @@
-"""params.yaml -> frozen, typed objects, composed from each stage's own params class.
+"""params.yaml -> frozen, typed objects, composed from each stage's params class (stages/params.py)
+and the model's (transformer/config.py), none of which imports torch.
 
 Every key must be known and present, and every value is checked by its class when it loads (each
 params class's __post_init__ raises ValueError(key, message)): a typo, a forgotten key or a value
@@ -15,15 +16,10 @@ from typing import Any, Literal
 
 import yaml
 
-from stages.average import AverageParams
-from stages.clean import CleanParams
-from stages.decode import DecodeParams
-from stages.download import DownloadParams
 from stages.io import PipelineError
-from stages.score import ScoreParams
-from stages.train import TrainParams
-from stages.vocab import VocabParams
-from transformer import TransformerConfig
+from stages.params import AverageParams, CleanParams, DecodeParams, DownloadParams, ScoreParams, TrainParams, \
+    VocabParams
+from transformer.config import TransformerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 PARAMS_FILE = ROOT / "params.yaml"

@@ -34,7 +34,8 @@ def register_model(parent: Tracker, params: Params, test_bleu: float) -> str | N
             name="translator", python_model=str(ROOT / "pipeline/serving.py"),
             artifacts={"model": str(ROOT / paths["model"]), "vocab": str(ROOT / paths["vocab"]),
                        "decode": str(decode_file)},
-            code_paths=[str(ROOT / "stages"), str(ROOT / "transformer")], registered_model_name=name,
+            code_paths=[str(ROOT / package) for package in ("stages", "translate", "transformer")],
+            registered_model_name=name,
             signature=infer_signature(["Hello world."], ["Hallo Welt."]),
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "sentencepiece", "safetensors", "numpy",
                               "tqdm"])

@@ -18,11 +18,12 @@ from mlflow.pyfunc import PythonModel
 class Translator(PythonModel):
     def load_context(self, context: Any) -> None:
         from stages import vocab
-        from stages.decode import DecodeParams, load_translator
+        from stages.decode import load_translator
         from stages.devices import default_device
+        from stages.params import DecodeParams
 
         self.params = DecodeParams(**json.loads(Path(context.artifacts["decode"]).read_text(encoding="utf-8")))
-        self.model = load_translator(context.artifacts["model"], default_device(), self.params.precision)
+        self.translator = load_translator(context.artifacts["model"], default_device(), self.params.precision)
         self.sp = vocab.load(context.artifacts["vocab"])
 
     def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> list[str]:
@@ -30,7 +31,7 @@ class Translator(PythonModel):
         from stages.decode import translate
 
         lines = list(model_input) if isinstance(model_input, list) else model_input.iloc[:, 0].tolist()
-        return translate(self.model, self.sp, [str(line) for line in lines], self.params, desc="translate")
+        return translate(self.translator, self.sp, [str(line) for line in lines], self.params, desc="translate")
 
 
 mlflow.models.set_model(Translator())

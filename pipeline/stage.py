@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import gc
 
-if __name__ == "__main__":  # a command: no cycle collections while torch and the stages import
+if __name__ == "__main__":  # a command: no cycle collections while the stage and MLflow import
     gc.disable()
 
 import argparse
@@ -147,8 +147,8 @@ def main(argv: list[str], prog: str = "python -m pipeline.stage") -> int:
 
 
 if __name__ == "__main__":
-    # What the imports made lives to the end: frozen, the collector never walks it again, nor at exit,
-    # where collections over torch's and MLflow's objects took over a second (bench/stage_startup.py).
+    # What the imports made lives to the end: frozen, the collector never walks it again, nor at exit
+    # (`python -m bench.stage_startup` measures the command against its main imported without this).
     gc.enable()
     gc.freeze()
     code = main(sys.argv[1:])

@@ -5,20 +5,13 @@ Checkpoints are spaced in steps (train.checkpoint_every_steps, the paper's 10 mi
 1,400 base or 600 big steps), whatever the hardware; snapshots written on a clock are not averaged."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from stages.io import InputPath, OutputPath, PipelineError, check, require_dir
+from stages.io import InputPath, OutputPath, PipelineError, require_dir
+from stages.params import AverageParams
 from stages.model_files import Weights, current_dir, list_checkpoints, read_checkpoint, write_model
-
-
-@dataclass(frozen=True)
-class AverageParams:
-    last: int  # how many of the newest checkpoints to average
-
-    def __post_init__(self) -> None:
-        check(self.last >= 1, "last", f"must be at least 1 (1: the newest checkpoint alone), not {self.last}")
 
 
 def average_state_dicts(states: list[Weights], names: list[str]) -> Weights:

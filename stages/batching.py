@@ -109,7 +109,7 @@ class BatchSampler:
         if per_step % num_processes:
             raise ValueError(f"{per_step} batches a step cannot be shared out over {num_processes} processes")
         self.batches, self.seed = divisible(batches, per_step), seed  # whole steps an epoch
-        self.num_processes, self.rank = num_processes, rank
+        self.num_processes, self.rank, self.per_step = num_processes, rank, per_step
         self.epoch, self.position = 0, 0  # position: this process's batches taken in the epoch
         self._order = self._epoch_order()
 
@@ -146,16 +146,25 @@ class BatchSampler:
         """The place in the global stream: whatever the number of processes that resumes from it."""
         return {"epoch": self.epoch, "batches": self.position * self.num_processes}
 
-    def validate(self, state: dict[str, int]) -> None:
-        """Refuse a place this stream does not have, before anything is loaded."""
+    def _check_place(self, state: dict[str, int]) -> None:
         epoch, taken = state.get("epoch"), state.get("batches")
         if not (isinstance(epoch, int) and isinstance(taken, int) and epoch >= 0 and 0 <= taken <= len(self.batches)
                 and taken % self.num_processes == 0):
             raise ValueError(f"its sampler state {state} is not a place in an epoch of {len(self.batches)} batches "
                              f"shared by {self.num_processes} processes")
 
+    def check(self, state: dict[str, int], step: int) -> None:
+        """Refuse a place this stream does not have, or not the one `step` steps end at, before anything
+        is loaded."""
+        self._check_place(state)
+        done = step * self.per_step  # batches of the global stream that `step` steps took
+        expected = {"epoch": max(done - 1, 0) // len(self.batches)}  # an epoch ends at its last batch
+        expected["batches"] = done - expected["epoch"] * len(self.batches)
+        if state != expected:
+            raise ValueError(f"its sampler state {state} is not where step {step} ends ({expected})")
+
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.validate(state)
+        self._check_place(state)
         self.epoch, self.position = state["epoch"], state["batches"] // self.num_processes
         self._order = self._epoch_order()
 

@@ -19,40 +19,21 @@ import tempfile
 import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from sacremoses import MosesPunctNormalizer
 from tqdm import tqdm
 
-from stages.io import SPLITS, InputPath, OutputPath, PipelineError, check, chunks, count_pairs, read_manifest, \
+from stages.io import SPLITS, InputPath, OutputPath, PipelineError, chunks, count_pairs, read_manifest, \
     read_train_corpora, require_dir, split_path, write_manifest
+from stages.params import CleanParams
 
 REASONS = ("invalid_utf8", "empty", "too_long", "too_many_characters", "length_ratio", "source_equals_target",
            "duplicate")
 CHUNK = 20_000  # pairs per task handed to a worker
-
-
-@dataclass(frozen=True)
-class CleanParams:
-    max_tokens: int  # words (whitespace-separated) per side
-    max_chars: int  # characters per side
-    max_ratio: float  # longest side over shortest side, in words
-    keep_copies: bool  # keep pairs whose target is their source, untouched
-    drop_duplicates: bool  # drop exact repeats of an earlier training pair
-    normalize_punctuation: bool  # Moses punctuation normalisation and non-printing character removal
-    unicode_form: Literal["NFC", "NFKC", "none"]
-    invalid_utf8: Literal["error", "drop"]  # stop with file, line and byte, or drop the pair and count it
-    workers: int  # processes; 0: one per core
-
-    def __post_init__(self) -> None:
-        check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, not {self.max_tokens}")
-        check(self.max_chars >= 1, "max_chars", f"must be at least 1, not {self.max_chars}")
-        check(self.max_ratio >= 1, "max_ratio", f"is longest over shortest, so at least 1, not {self.max_ratio}")
-        check(self.workers >= 0, "workers", f"must be 0 (one per core) or more, not {self.workers}")
 
 
 def drop_reason(src: str, tgt: str, params: CleanParams) -> str | None:

@@ -1,13 +1,9 @@
 """Where the work runs: the accelerator when there is one, the precision it trains in, and its peak.
 
 One place for these choices, so training, decoding, the translate command, the served model and the
-benches all run on the same device with the same rules.
+benches all run on the same device with the same rules; how decoding runs there is translate/'s.
 """
 from __future__ import annotations
-
-import ctypes
-import ctypes.util
-import functools
 
 import torch
 
@@ -18,33 +14,11 @@ def default_device() -> torch.device:
 
 
 def use_fast_attention() -> None:
-    """Leave cuDNN's fused attention out of scaled_dot_product_attention on GPUs: it builds a plan
-    (with runtime-generated kernels) for each new (batch, length) shape, about 11 ms of host time a
-    call in bench.gpu's profile, and token-bucketed batches bring new shapes at nearly every step.
-    The flash and memory-efficient kernels serve every shape without that: base trained 5.9x faster
-    on an H100 (`python -m bench.gpu --parts throughput`: 26,623 -> 158,370 target tokens/s)."""
+    """Leave cuDNN's fused attention out of scaled_dot_product_attention when training on GPUs: it
+    builds a plan (with runtime-generated kernels) for each new (batch, length) shape, and
+    token-bucketed batches bring new shapes at nearly every step; the flash and memory-efficient
+    kernels serve every shape without that (`python -m bench.gpu --parts throughput,profile`)."""
     torch.backends.cuda.enable_cudnn_sdp(False)
-
-
-HEAP_BLOCK_LIMIT = 32 << 20  # bytes: the largest block glibc can be told to serve from its heap
-
-
-@functools.cache  # once a process: finding the C library runs ldconfig
-def keep_freed_memory() -> None:
-    """Make glibc serve blocks up to HEAP_BLOCK_LIMIT (32 MB) from its heap and keep what is freed there, instead of
-    mapping fresh pages from the OS and returning them at each free. Beam search on CPUs allocates and
-    frees tensors of a few MB every step (the self-attention cache grows), and with glibc's defaults
-    many come as new pages, each zeroed by the kernel on first touch (system time). The process keeps
-    its peak memory instead. No-op without glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is not None:
-        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-        mallopt(m_mmap_threshold, HEAP_BLOCK_LIMIT)
-        mallopt(m_trim_threshold, 1 << 30)
 
 
 def mixed_precision(choice: str) -> str:

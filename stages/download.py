@@ -13,76 +13,14 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from tqdm import tqdm
 
 from stages import multi30k, wmt14
 from stages.fetch import extract, fetch, open_member
-from stages.io import OutputPath, ParallelFiles, PipelineError, atomic_write, check, count_pairs, file_digest, \
+from stages.io import OutputPath, PipelineError, atomic_write, count_pairs, file_digest, \
     split_path, write_manifest
-
-
-@dataclass(frozen=True)
-class Wmt14Source:
-    corpora: tuple[str, ...]  # training corpora, concatenated in this order
-    test: Literal["full", "filtered"]  # newstest2014 as sacreBLEU's wmt14/full (3003, the paper's) or wmt14
-    mirrors: tuple[str, ...]  # base addresses tried in order before statmt.org's own
-    archive_dir: str  # archives are kept (and verified) here between runs
-
-    def __post_init__(self) -> None:
-        check(bool(self.corpora), "corpora", "names no training corpus")
-        unknown = [c for c in self.corpora if c not in wmt14.TRAINING_ARCHIVES]
-        check(not unknown, "corpora", f"unknown corpus {', '.join(map(repr, unknown))} "
-                                      f"(known: {', '.join(wmt14.TRAINING_ARCHIVES)})")
-        _check_mirrors(self.mirrors)
-
-
-@dataclass(frozen=True)
-class Multi30kSource:
-    mirrors: tuple[str, ...]  # base addresses tried in order before the dataset's own repository
-    archive_dir: str  # the gzipped files are kept (and verified) here between runs
-
-    def __post_init__(self) -> None:
-        _check_mirrors(self.mirrors)
-
-
-def _check_mirrors(mirrors: tuple[str, ...]) -> None:
-    bad = [m for m in mirrors if not m.startswith(("http://", "https://"))]
-    check(not bad, "mirrors", f"{', '.join(map(repr, bad))} is not an http:// or https:// address")
-
-
-@dataclass(frozen=True)
-class LocalSource:
-    dir: str  # the directory the files below are relative to
-    train: tuple[ParallelFiles, ...]  # concatenated in this order
-    dev: ParallelFiles
-    test: ParallelFiles
-
-
-@dataclass(frozen=True)
-class DownloadParams:
-    source: Literal["wmt14", "multi30k", "local"]
-    src_lang: str
-    tgt_lang: str
-    wmt14: Wmt14Source
-    multi30k: Multi30kSource
-    local: LocalSource
-
-    def __post_init__(self) -> None:
-        check(bool(self.src_lang) and self.src_lang != self.tgt_lang, "tgt_lang",
-              f"must differ from src_lang, not also '{self.src_lang}'")
-        if self.source == "wmt14":
-            check(self.src_lang == "en" and self.tgt_lang in wmt14.PAPER_CORPORA, "tgt_lang",
-                  f"wmt14 has en-de and en-fr, not {self.src_lang}-{self.tgt_lang}")
-            other = [c for c in self.wmt14.corpora if c not in wmt14.PAPER_CORPORA[self.tgt_lang]]
-            check(not other, "wmt14.corpora", f"no en-{self.tgt_lang} text in {', '.join(other)}")
-        elif self.source == "multi30k":
-            odd = [lang for lang in (self.src_lang, self.tgt_lang) if lang not in multi30k.LANGUAGES]
-            check(not odd, "tgt_lang" if self.src_lang in multi30k.LANGUAGES else "src_lang",
-                  f"multi30k has {', '.join(multi30k.LANGUAGES)}, not {', '.join(odd)}")
-        else:
-            check(bool(self.local.train), "local.train", "names no training corpus")
+from stages.params import DownloadParams, LocalSource
 
 
 @dataclass(frozen=True)

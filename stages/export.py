@@ -17,7 +17,7 @@ import torch
 from stages import vocab
 from stages.io import InputPath, OutputPath, PipelineError
 from stages.model_files import read_model
-from transformer import TransformerConfig
+from transformer.config import TransformerConfig
 
 # ours -> Marian's names, per encoder / decoder layer
 _ENCODER_LAYER = {"self_attn.{p}_proj": "self_attn.{p}_proj", "attn_block.norm": "self_attn_layer_norm",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -33,21 +34,31 @@ class Stopped(Exception):
     """A stage stopped on request (SIGTERM, SIGINT, SIGUSR1) after saving what it had done."""
 
 
+# A write that failed for want of room (a full disk, a quota, a file-size limit): the user's to fix.
+NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
-    """Write to a temporary file beside `path`, then rename: readers see the old file or the new, never half."""
+    """Write to a temporary file beside `path`, then rename: readers see the old file or the new, never
+    half. Without room to write, the temporary file goes and a PipelineError names `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with open(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno in NO_ROOM:
+            raise PipelineError(f"{path}: could not be written: {e.strerror}; what was there before is "
+                                f"left as it was") from None
         raise
 
 
@@ -142,17 +153,18 @@ def split_path(directory: str | Path, split: str, lang: str) -> Path:
     return Path(directory) / f"{split}.{lang}"
 
 
-def file_digest(path: str | Path) -> str:
-    """md5 of a file, or of a directory's files in name order (as DVC fingerprints its inputs)."""
-    path = Path(path)
+def file_digest(*paths: str | Path) -> str:
+    """md5 of the files' contents in turn; a directory's files in name order, with their names (as DVC
+    fingerprints its inputs)."""
     h = hashlib.md5()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for p in files:
-        if path.is_dir():
-            h.update(str(p.relative_to(path)).encode())
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+    for path in map(Path, paths):
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for p in files:
+            if path.is_dir():
+                h.update(str(p.relative_to(path)).encode())
+            with open(p, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
     return h.hexdigest()
 
 

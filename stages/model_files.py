@@ -1,7 +1,7 @@
 """The files a model lives in, and their one reader and writer.
 
 - A checkpoint (`<dir>/checkpoint-<step>.pt`, written by the train stage) holds everything a resumed
-  run needs: the training state's named parts (model weights, optimizer, schedule, sampler, RNG,
+  run needs: the training state's named parts (model weights, optimizer, schedule, sampler,
   progress, ...), the fingerprint of the run that wrote it, and the model's metadata. Checkpoints
   are written every `train.checkpoint_every_steps` steps and at the end, and they are what the
   average stage averages; a snapshot (`<dir>/snapshot-<step>.pt`), the same content written on
@@ -9,10 +9,10 @@
 - A model (`.safetensors`, written by the average stage) holds weights and metadata only: what
   decoding and export read. Either kind of file can be read as a model.
 
-Checkpoints live in a folder per training setup (`<checkpoint dir>/<setup>/`, the setup named by a
-hash of what a run may not change: model, training parameters, vocabulary, data), so a changed
-parameter starts a run of its own beside the others, and going back finds its run where it was;
-`<checkpoint dir>/current.json` names the setup last trained, the one the average stage reads.
+Checkpoints live in a folder per training setup (`<checkpoint dir>/<setup>/`, named by the train
+stage's checkpoint component, stages/checkpoint.py, after what a run may not change), with the
+setup written out in its `setup.json`; `<checkpoint dir>/current.json` names the setup last trained,
+the one the average stage reads.
 
 Both carry a `ModelMeta`, so a file alone rebuilds its Transformer. Loading runs no pickled code
 (torch's weights-only unpickler; safetensors), and every write is atomic: a checkpoint is complete
@@ -21,7 +21,6 @@ once it has its final name, so the list of checkpoints is the list of files name
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -75,12 +74,6 @@ class Checkpoint:
 CURRENT = "current.json"
 
 
-def setup_dir(root: str | Path, setup: dict[str, Any]) -> Path:
-    """The folder of a training setup's checkpoints, named by a hash of `setup`."""
-    key = hashlib.md5(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(root) / key
-
-
 def make_current(root: str | Path, folder: Path, setup: dict[str, Any]) -> None:
     """Record `folder` as the setup being trained, and what that setup is (its setup.json)."""
     write_json(folder / "setup.json", setup)
@@ -127,17 +120,6 @@ def remove_unfinished(directory: str | Path) -> list[Path]:
     return stale
 
 
-def prune_checkpoints(directory: str | Path, keep: int) -> None:
-    """Keep the newest `keep` checkpoints, and no snapshot older than the newest file of either kind.
-    Snapshots never count towards `keep`, so they never push out a checkpoint that averaging needs."""
-    for _, old in list_checkpoints(directory)[:-keep]:
-        old.unlink()
-    everything = list_checkpoints(directory, snapshots=True)
-    for step, path in everything:
-        if path.name.startswith("snapshot") and step < everything[-1][0]:
-            path.unlink()
-
-
 def read_checkpoint(path: str | Path) -> Checkpoint:
     """One of our checkpoints, loaded without running any pickled code."""
     try:
@@ -147,8 +129,11 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise PipelineError(f"{path}: not a checkpoint written by this pipeline's train stage "
                             f"(format {CHECKPOINT_FORMAT})")
-    return Checkpoint(int(state["step"]), ModelMeta.from_dict(state["meta"], path), state["fingerprint"],
-                      state["parts"])
+    try:
+        step, fingerprint, parts = int(state["step"]), dict(state["fingerprint"]), dict(state["parts"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise PipelineError(f"{path}: not a readable checkpoint (its {e} is missing or malformed)") from None
+    return Checkpoint(step, ModelMeta.from_dict(state["meta"], path), fingerprint, parts)
 
 
 # -- models ---------------------------------------------------------------------------------------

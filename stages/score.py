@@ -11,26 +11,16 @@ its variant so nobody compares the wrong numbers.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from sacrebleu.metrics import BLEU, CHRF
 from sacremoses import MosesTokenizer
 
-from stages.io import InputPath, PipelineError, check, read_lines, read_manifest, require_dir, split_path
+from stages.io import InputPath, PipelineError, read_lines, read_manifest, require_dir, split_path
+from stages.params import ScoreParams
 
 SPLITS = ("dev", "test")
 COMPOUND = re.compile(r"(\S)-(\S)")
 BLEU_TOK_VARIANT = "moses-tokenized|compound-split:##AT##|case:mixed|multi-bleu"
-
-
-@dataclass(frozen=True)
-class ScoreParams:
-    tokenize: str  # sacreBLEU tokenizer: 13a (its default), intl, none, ...
-    lowercase: bool
-
-    def __post_init__(self) -> None:
-        check(self.tokenize in BLEU.TOKENIZERS, "tokenize",
-              f"{self.tokenize!r} is not a sacreBLEU tokenizer (known: {', '.join(BLEU.TOKENIZERS)})")
 
 
 def paper_tokenize(lines: list[str], lang: str) -> list[str]:

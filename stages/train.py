@@ -10,14 +10,13 @@ exactly as if never stopped.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -26,69 +25,42 @@ from tqdm import tqdm
 
 from stages import vocab
 from stages.batching import collate, token_batches
+from stages.checkpoint import Checkpointer, Processes, Schedule, Stateful
 from stages.devices import default_device, mixed_precision, peak_flops, use_fast_attention
 from stages.encode import ParallelIds
-from stages.io import InputPath, OutputPath, PipelineError, Stopped, check, require_dir
-from stages.model_files import Checkpoint, ModelMeta, checkpoint_path, list_checkpoints, make_current, \
-    prune_checkpoints, read_checkpoint, read_model, remove_unfinished, setup_dir, write_checkpoint
+from stages.io import InputPath, OutputPath, PipelineError, Stopped, file_digest, require_dir
+from stages.model_files import ModelMeta, read_model
+from stages.params import TrainParams
 from stages.train_inputs import StepInputs, StepStream, training_sampler, within_positions
-from stages.train_metrics import MetricsWindow, Progress, progress_line, summary, write_curves
-from stages.train_state import CheckpointSchedule, Stateful, StopRequest, Topology, UnwrappedModel, differences, \
+from stages.train_metrics import MetricsWindow, Progress, StepMetrics, progress_line, summary, write_curves
+from stages.train_state import ModelState, OptimizerState, ScalerState, SchedulerState, StopRequest, Topology, \
     micro_batch_seed
-from transformer import Transformer, TransformerConfig, inverse_sqrt_rate, label_smoothed_nll_loss
+from transformer.config import TransformerConfig
+from transformer.loss import label_smoothed_nll_loss
+from transformer.model import Transformer
+from transformer.schedule import inverse_sqrt_rate
 
 MetricsLogger = Callable[[dict[str, float], int], None]
-
-
-@dataclass(frozen=True)
-class TrainParams:
-    max_steps: int
-    batch_tokens: int  # per side per optimizer step, over all processes and accumulation steps
-    grad_accum: int  # micro-batches per optimizer step on each process
-    warmup_steps: int
-    lr_scale: float  # times the paper's rate; 1: the paper. Smaller batches want less: see params.yaml
-    adam_betas: tuple[float, float]
-    adam_eps: float
-    label_smoothing: float
-    clip_norm: float  # 0: no clipping, as the paper
-    precision: Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16 on GPUs that have it, else fp32
-    compile: bool  # torch.compile the model, for dynamic shapes: one graph whatever the batch's lengths
-    seed: int
-    log_every: int  # steps
-    validate_every: int  # steps
-    checkpoint_every_steps: int  # the checkpoints averaging takes (and the last step's); 0: the last one only
-    checkpoint_every_minutes: float  # snapshots for crash safety, never averaged; 0: none
-    keep_checkpoints: int  # of the step-spaced checkpoints; snapshots are kept only until the next save
-
-    def __post_init__(self) -> None:
-        for key in ("batch_tokens", "grad_accum", "warmup_steps", "log_every", "validate_every", "keep_checkpoints"):
-            check(getattr(self, key) >= 1, key, f"must be at least 1, not {getattr(self, key)}")
-        for key in ("max_steps", "seed", "checkpoint_every_steps", "checkpoint_every_minutes", "clip_norm"):
-            check(getattr(self, key) >= 0, key, f"must be 0 or more, not {getattr(self, key)}")
-        check(all(0 <= b < 1 for b in self.adam_betas), "adam_betas", f"must be in [0, 1), not {self.adam_betas}")
-        check(self.adam_eps > 0, "adam_eps", f"must be positive, not {self.adam_eps}")
-        check(self.lr_scale > 0, "lr_scale", f"must be positive, not {self.lr_scale}")
-        check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), not {self.label_smoothing}")
 
 
 # Train parameters that may change between a run and its resumption: they do not alter the updates.
 # grad_accum may change with the number of processes, their product (micro-batches a step) kept.
 RESUMABLE_CHANGES = {"max_steps", "log_every", "validate_every", "checkpoint_every_steps",
                      "checkpoint_every_minutes", "keep_checkpoints", "compile", "grad_accum"}
-PER_STEP = "micro_batches_per_step"  # processes x grad_accum: a resumption must keep it
 
 
-def _digest(*paths: Path) -> str:
-    h = hashlib.md5()
-    for p in paths:
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step: its figures, and what every process agreed at its end."""
+
+    metrics: StepMetrics
+    stop: int  # the signal any process was asked to stop by; 0: none
+    snapshot_due: bool  # the main process's clock says a snapshot is due
 
 
 class Trainer:
-    """One training run: the model, its optimizer and schedule, and the stream of batches."""
+    """One training run: the model, its optimizer and schedule, and the stream of batches. Its progress
+    (step, cost, curves) is a checkpoint part of its own: the Trainer is Stateful."""
 
     def __init__(self, model_config: TransformerConfig, params: TrainParams, *, encoded_dir: Path,
                  vocab_dir: Path, accelerator: Accelerator, init_weights: Path | None = None) -> None:
@@ -125,28 +97,36 @@ class Trainer:
         if params.compile:  # after DDP wraps it, as torch recommends; lengths vary every step: dynamic shapes
             self.model = torch.compile(self.model, dynamic=True)
         self.progress = Progress()
-        self.fingerprint = {
+        # What identifies the run: what it trains (model, data, vocabulary, starting weights) and how
+        # (the training parameters that alter the updates); a change starts a run of its own.
+        self.identity = {
             "model": asdict(model_config),
             "train": {k: v for k, v in asdict(params).items() if k not in RESUMABLE_CHANGES},
-            "vocab": _digest(Path(vocab_dir) / vocab.MODEL_FILE),
-            "data": _digest(*sorted(Path(encoded_dir).glob("train.*.npy"))),
-            **({"init": _digest(init_weights)} if init_weights is not None else {}),
-            PER_STEP: world * params.grad_accum,
+            "vocab": vocab.identity(vocab_dir),
+            "data": file_digest(*sorted(Path(encoded_dir).glob("train.*.npy"))),
+            **({"init": file_digest(init_weights)} if init_weights is not None else {}),
         }
 
     @property
-    def setup(self) -> dict[str, Any]:
-        """What names this run's checkpoint folder: the fingerprint but the micro-batches a step, a
-        change of which is refused on resumption rather than started afresh."""
-        return {k: v for k, v in self.fingerprint.items() if k != PER_STEP}
-
-    @property
     def parts(self) -> dict[str, Stateful]:
-        """The training state a checkpoint holds, by name; the RNGs last, after all that draws on them."""
-        return {"model": UnwrappedModel(self.acc, self.model), "optimizer": self.optimizer,
-                "scheduler": self.scheduler, "sampler": self.sampler, "progress": self.progress,
-                **({"scaler": self.acc.scaler} if self.acc.scaler is not None else {}),
-                "topology": Topology(self.acc.num_processes, self.params.grad_accum, self.acc.print)}
+        """The training state a checkpoint holds, by name; the step's split first, which the sampler's
+        place depends on."""
+        acc = self.acc
+        return {"topology": Topology(acc.num_processes, self.params.grad_accum, acc.print),
+                "model": ModelState(lambda: acc.unwrap_model(self.model, keep_torch_compile=False)),
+                "optimizer": OptimizerState(self.optimizer), "scheduler": SchedulerState(self.scheduler),
+                "sampler": self.sampler, "progress": self,
+                **({"scaler": ScalerState(acc.scaler)} if acc.scaler is not None else {})}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.progress.state_dict()
+
+    def check(self, state: Any, step: int) -> None:
+        self.progress.check(state, step)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.close()  # a stream started before this would read from the old place
+        self.progress.load_state_dict(state)
 
     def close(self) -> None:
         """Stop preparing batches ahead."""
@@ -155,7 +135,7 @@ class Trainer:
             self.stream = None
 
     # -- one optimizer step ---------------------------------------------------------------------
-    def train_step(self, stop: int = 0, late: bool = False) -> dict[str, Any]:
+    def train_step(self, stop: int = 0, late: bool = False) -> StepResult:
         """One optimizer step. Nothing waits on the device but the step's one agreement: whether the
         loss is finite (checked before the update), and whether this process was asked to stop
         (`stop`, a signal number) or its clock says a snapshot is due (`late`); every process learns
@@ -190,8 +170,9 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
-        return {"loss_sum": loss_sum, "nll_sum": nll_sum, "grad_norm": grad_norm, "lr": lr, "data_wait": waited,
-                "stop": stop, "late": late, **prepared.report}
+        metrics = StepMetrics(loss_sum=loss_sum, nll_sum=nll_sum, lr=lr, grad_norm=grad_norm, data_wait=waited,
+                              **asdict(prepared.counts))
+        return StepResult(metrics, stop, late)
 
     def _agree(self, loss_sum: torch.Tensor, stop: int, late: bool) -> tuple[list[int], int, bool]:
         """(processes whose loss is not finite, the signal any process was stopped by, any process
@@ -221,64 +202,6 @@ class Trainer:
         tokens = max(tokens, 1.0)
         return {"valid_loss": loss / tokens, "valid_nll": nll / tokens, "valid_ppl": math.exp(nll / tokens)}
 
-    # -- checkpoints ----------------------------------------------------------------------------
-    def save(self, checkpoint_dir: Path, snapshot: bool = False) -> None:
-        """A checkpoint (averaged later), or a snapshot (crash safety only); every process calls it."""
-        parts = {name: part.state_dict() for name, part in self.parts.items()}
-        if self.acc.is_main_process:
-            step = self.progress.step
-            meta = ModelMeta(self.meta.config, self.meta.vocab_size, (step,))
-            write_checkpoint(checkpoint_dir, Checkpoint(step, meta, self.fingerprint, parts), snapshot)
-            prune_checkpoints(checkpoint_dir, self.params.keep_checkpoints)
-        self.acc.wait_for_everyone()
-
-    def resume(self, checkpoint_dir: Path) -> None:
-        """Continue from the newest checkpoint or snapshot that loads, if it is of this run. A file that
-        is truncated or damaged is skipped, with a warning, for the one before it. Every process must
-        find the same one: on several nodes the folder is one that all of them read."""
-        self.close()  # a stream started before this would read from the old position
-        for _, path in reversed(list_checkpoints(checkpoint_dir, snapshots=True)):
-            try:
-                checkpoint = read_checkpoint(path)
-            except PipelineError as e:  # e.g. cut short by a full disk
-                self.acc.print(f"warning: skipping {e}")
-                continue
-            try:
-                self._check(checkpoint, checkpoint_dir, path)
-            except Damaged as e:
-                self.acc.print(f"warning: skipping {path}: {e}")
-                continue
-            for name, part in self.parts.items():
-                part.load_state_dict(checkpoint.parts[name])
-            self.acc.print(f"resumed from {path} at step {self.progress.step}")
-            break
-        steps = gather_object([self.progress.step])
-        if len(set(steps)) > 1:
-            raise PipelineError(f"the processes found different checkpoints in {checkpoint_dir} (steps {steps}, by "
-                                f"process): on several nodes it must be one folder all read, on a shared filesystem")
-
-    def _check(self, checkpoint: Checkpoint, checkpoint_dir: Path, path: Path) -> None:
-        """Refuse another run's checkpoint; find damage before anything is loaded."""
-        if checkpoint.fingerprint != self.fingerprint:
-            changed = differences(checkpoint.fingerprint, self.fingerprint)
-            if changed == [PER_STEP]:  # another split of the step, of another product
-                try:
-                    refusal = self.parts["topology"].refusal(checkpoint.parts.get("topology"))
-                except ValueError as e:
-                    raise Damaged(str(e)) from None
-                raise PipelineError(f"{checkpoint_dir} holds a run of {refusal}")
-            raise PipelineError(
-                f"{checkpoint_dir} holds a run of this setup with {', '.join(changed)} changed, which cannot be "
-                f"resumed so; move or delete that directory to start afresh")
-        if checkpoint.parts.keys() != self.parts.keys():
-            raise PipelineError(f"{path}: holds the parts {sorted(checkpoint.parts)}, "
-                                f"this run has {sorted(self.parts)}")
-        for name, part in self.parts.items():
-            try:
-                getattr(part, "validate", lambda state: None)(checkpoint.parts[name])
-            except ValueError as e:
-                raise Damaged(str(e)) from None
-
 
 def _start_from(model: Transformer, path: Path) -> None:
     """Load a trained model's weights into `model` (fine-tuning, or one corpus after another); its dropout may
@@ -293,8 +216,14 @@ def _start_from(model: Transformer, path: Path) -> None:
     model.load_state_dict(weights)
 
 
-class Damaged(Exception):
-    """A checkpoint part that would not load."""
+def checkpointer(trainer: Trainer, checkpoint_dir: str | Path) -> Checkpointer:
+    """The run's checkpoints, in its setup's folder of `checkpoint_dir`: a run of another setup keeps
+    its own, and going back to it goes on there."""
+    p, acc = trainer.params, trainer.acc
+    return Checkpointer(
+        checkpoint_dir, trainer.identity, acc.num_processes * p.grad_accum, trainer.parts,
+        Schedule(p.checkpoint_every_steps, p.checkpoint_every_minutes, p.keep_checkpoints, p.max_steps), trainer.meta,
+        Processes(acc.is_main_process, acc.print, acc.wait_for_everyone, lambda value: gather_object([value])))
 
 
 def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: InputPath, vocab_dir: InputPath,
@@ -308,15 +237,8 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
                                      mixed_precision=mixed_precision(params.precision))
     trainer = Trainer(model_config, params, encoded_dir=encoded_dir, vocab_dir=Path(vocab_dir), accelerator=acc,
                       init_weights=None if init_weights is None else Path(init_weights))
-    # this setup's folder: a run of another setup keeps its own, and going back to it goes on there
-    checkpoint_dir = setup_dir(checkpoint_dir, trainer.setup)
-    if acc.is_main_process:
-        make_current(checkpoint_dir.parent, checkpoint_dir, trainer.setup)
-        for stale in remove_unfinished(checkpoint_dir):
-            acc.print(f"removed {stale}, left by a save that was cut short")
-    acc.print(f"checkpoints of this setup: {checkpoint_dir}")
-    acc.wait_for_everyone()
-    trainer.resume(checkpoint_dir)
+    checkpoints = checkpointer(trainer, checkpoint_dir)
+    checkpoints.start()
     log = log if (log is not None and acc.is_main_process) else (lambda metrics, step: None)
     log({"parameters": trainer.n_parameters, **{f"dropped_{k}": v for k, v in trainer.dropped.items()}}, 0)
     acc.print(f"model: {trainer.n_parameters / 1e6:.1f}M parameters; {len(trainer.sampler)} batches per epoch "
@@ -324,49 +246,46 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
               f"model.max_positions, {trainer.dropped['over_budget']} alone over a micro-batch's budget")
     with StopRequest() as request:
         try:
-            _loop(trainer, checkpoint_dir, log, request)
+            _loop(trainer, checkpoints, log, request)
         finally:
             trainer.close()
             if acc.is_main_process:
                 write_curves(plots_dir, trainer.progress)  # stopped or failed too: the curves so far
-    if not list_checkpoints(checkpoint_dir):
-        trainer.save(checkpoint_dir)  # max_steps 0 or already reached: still leave a model behind
+    if not checkpoints.has_checkpoint():
+        checkpoints.save(trainer.progress.step)  # max_steps 0 or already reached: still leave a model behind
     acc.wait_for_everyone()
     return {**summary(trainer.progress, trainer.n_parameters, acc.num_processes, trainer.peak),
             **{f"dropped_{k}": v for k, v in trainer.dropped.items()}}
 
 
-def _loop(trainer: Trainer, checkpoint_dir: Path, log: MetricsLogger, request: StopRequest) -> None:
+def _loop(trainer: Trainer, checkpoints: Checkpointer, log: MetricsLogger, request: StopRequest) -> None:
     """Step to max_steps: log a row every log_every steps, validate, save when due; when asked to
     stop, finish the step, save it and raise Stopped."""
     acc, params, progress = trainer.acc, trainer.params, trainer.progress
     window = MetricsWindow(trainer.micro_tokens, params.grad_accum, acc.num_processes, trainer.peak)
-    saves = CheckpointSchedule(params, acc.is_main_process)
-    bar = tqdm(total=params.max_steps, initial=progress.step, desc="train", unit=" steps",
-               disable=not acc.is_main_process, mininterval=2)
-    while progress.step < params.max_steps:
-        start = time.perf_counter()
-        out = trainer.train_step(stop=request.signum, late=saves.late())
-        window.add(out, time.perf_counter() - start)
-        bar.update(1)
-        step, stopping = progress.step, out["stop"]
-        if step % params.log_every == 0 or step == params.max_steps or stopping:
-            row, flops, seconds = window.close(step, out, lambda t: acc.reduce(t.to(acc.device), "sum").cpu())
-            progress.record(row, flops, seconds)
-            log({k: v for k, v in progress.history[-1].items() if k != "step"}, step)
-            if acc.is_main_process:
-                tqdm.write(progress_line(row, params.max_steps))
-            bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tgt_tokens_per_sec']:.0f}")
-        if (step % params.validate_every == 0 or step == params.max_steps) and not stopping:
-            valid = trainer.validate()
-            progress.valid_history.append({"step": step, **valid})
-            log(valid, step)
-        if kind := saves.due(step, out["late"]) or ("snapshot" if stopping else None):
-            trainer.save(checkpoint_dir, snapshot=kind == "snapshot")
-            saves.saved()
-        if stopping:
-            bar.close()
-            saved = checkpoint_path(checkpoint_dir, step, snapshot=kind == "snapshot")
-            raise Stopped(f"stopped by {signal.Signals(stopping).name} after step {step}, saved in {saved}; "
-                          f"run the stage again to go on from there")
-    bar.close()
+    with tqdm(total=params.max_steps, initial=progress.step, desc="train", unit=" steps",
+              disable=not acc.is_main_process, mininterval=2) as bar:  # closed before any error is said
+        while progress.step < params.max_steps:
+            start = time.perf_counter()
+            out = trainer.train_step(stop=request.signum, late=checkpoints.late())
+            window.add(out.metrics, time.perf_counter() - start)
+            bar.update(1)
+            step = progress.step
+            if step % params.log_every == 0 or step == params.max_steps or out.stop:
+                row, flops, seconds = window.close(step, out.metrics,
+                                                   lambda t: acc.reduce(t.to(acc.device), "sum").cpu())
+                progress.record(row, flops, seconds)
+                log({k: v for k, v in progress.history[-1].items() if k != "step"}, step)
+                if acc.is_main_process:
+                    tqdm.write(progress_line(row, params.max_steps))
+                bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}",
+                                tok_s=f"{row['tgt_tokens_per_sec']:.0f}")
+            if (step % params.validate_every == 0 or step == params.max_steps) and not out.stop:
+                valid = trainer.validate()
+                progress.valid_history.append({"step": step, **valid})
+                log(valid, step)
+            if kind := checkpoints.due(step, out.snapshot_due) or ("snapshot" if out.stop else None):
+                saved = checkpoints.save(step, snapshot=kind == "snapshot")
+            if out.stop:
+                raise Stopped(f"stopped by {signal.Signals(out.stop).name} after step {step}, saved in {saved}; "
+                              f"run the stage again to go on from there")

@@ -16,7 +16,7 @@ import torch
 from stages.batching import BatchSampler, Prefetcher, collate, token_batches
 from stages.encode import ParallelIds
 from stages.io import PipelineError
-from transformer import TransformerConfig
+from transformer.config import TransformerConfig
 from transformer.model import training_flops
 
 
@@ -41,10 +41,23 @@ def training_sampler(corpus: ParallelIds, batch_tokens: int, grad_accum: int, se
 
 
 @dataclass(frozen=True)
+class BatchCounts:
+    """What a step's batches cost on this process: its real tokens and padded slots per side, the real
+    tokens of the side that binds the batch budget, and their model FLOPs."""
+
+    tokens: int  # target tokens
+    src_tokens: int
+    src_slots: int
+    tgt_slots: int
+    binding: int
+    flops: float
+
+
+@dataclass(frozen=True)
 class PreparedStep:
     micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # this process's micro-batches
     global_tokens: int  # the step's target tokens over every process
-    report: dict[str, float]  # this process's token counts, padded slots and model FLOPs
+    counts: BatchCounts
 
 
 @dataclass(frozen=True)
@@ -71,13 +84,12 @@ class StepInputs:
         src = [c.src_lengths[b] + 1 for b in own]  # + EOS
         tgt = [c.tgt_lengths[b] + 1 for b in own]  # + EOS (or BOS)
         pairs = list(zip(src, tgt, strict=True))
-        # what batching costs: padded slots per side, and the real tokens of the side that binds the budget
-        report = {"tokens": sum(int(t.sum()) for t in tgt), "src_tokens": sum(int(s.sum()) for s in src),
-                  "src_slots": sum(m[0].numel() for m in micro), "tgt_slots": sum(m[2].numel() for m in micro),
-                  "binding": sum(max(int(s.sum()), int(t.sum())) for s, t in pairs),
-                  "flops": sum(training_flops(self.config, self.vocab_size, torch.from_numpy(s), torch.from_numpy(t))
-                               for s, t in pairs)}
-        return PreparedStep(micro, global_tokens, report)
+        return PreparedStep(micro, global_tokens, BatchCounts(
+            tokens=sum(int(t.sum()) for t in tgt), src_tokens=sum(int(s.sum()) for s in src),
+            src_slots=sum(m[0].numel() for m in micro), tgt_slots=sum(m[2].numel() for m in micro),
+            binding=sum(max(int(s.sum()), int(t.sum())) for s, t in pairs),
+            flops=sum(training_flops(self.config, self.vocab_size, torch.from_numpy(s), torch.from_numpy(t))
+                      for s, t in pairs)))
 
 
 class StepStream:

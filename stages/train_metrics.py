@@ -17,10 +17,27 @@ import torch
 
 from stages.io import atomic_write
 
-# What each optimizer step reports and a window sums: losses and tokens (real and padded), the
-# tokens of the side that binds the batch budget, model FLOPs, and seconds spent waiting for data.
-# The losses are device tensors, read back only when the window closes.
+# What a window sums of its steps: losses and tokens (real and padded), the tokens of the side that
+# binds the batch budget, model FLOPs, and seconds spent waiting for data.
 SUMMED = ("loss_sum", "nll_sum", "tokens", "src_tokens", "src_slots", "tgt_slots", "binding", "flops", "data_wait")
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step's figures on this process. The losses and the gradient norm are device
+    tensors, read back only when a window closes."""
+
+    loss_sum: torch.Tensor | float
+    nll_sum: torch.Tensor | float
+    tokens: int  # target tokens
+    src_tokens: int
+    src_slots: int  # padded, per side
+    tgt_slots: int
+    binding: int  # real tokens of the side that binds the batch budget
+    flops: float
+    data_wait: float  # seconds
+    lr: float
+    grad_norm: torch.Tensor | float
 
 
 @dataclass
@@ -42,6 +59,17 @@ class Progress:
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def check(self, state: Any, step: int) -> None:
+        """ValueError unless `state` is a progress of `step` steps."""
+        fields = [f.name for f in dataclasses.fields(self)]
+        if not isinstance(state, dict) or (missing := [name for name in fields if name not in state]):
+            raise ValueError(f"its progress lacks {', '.join(missing) if isinstance(state, dict) else 'everything'}")
+        if state["step"] != step:
+            raise ValueError(f"its progress says step {state['step']!r}, its file step {step}")
+        if not (isinstance(state["history"], list) and isinstance(state["valid_history"], list)
+                and all(isinstance(state[k], int | float) for k in ("total_flops", "total_seconds"))):
+            raise ValueError("its progress's totals or curves are not numbers and lists")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.total_flops, self.total_seconds = int(state["step"]), float(state["total_flops"]), \
             float(state["total_seconds"])
@@ -60,13 +88,13 @@ class MetricsWindow:
         self.sums = dict.fromkeys(SUMMED, 0.0)
         self.seconds, self.steps = 0.0, 0
 
-    def add(self, step: dict[str, Any], seconds: float) -> None:
+    def add(self, step: StepMetrics, seconds: float) -> None:
         for key in SUMMED:
-            self.sums[key] += step[key]
+            self.sums[key] += getattr(step, key)
         self.seconds += seconds
         self.steps += 1
 
-    def close(self, step: int, last: dict[str, Any],
+    def close(self, step: int, last: StepMetrics,
               reduce: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict[str, float], float, float]:
         """(row, FLOPs, seconds) of the window, summed over processes by `reduce`; then start afresh.
         `last` is the newest step's report, whose learning rate and gradient norm the row shows."""
@@ -75,8 +103,8 @@ class MetricsWindow:
         tokens, seconds = sums["tokens"], max(self.seconds, 1e-9)
         micro_batches = self.steps * self.grad_accum * self.num_processes
         row = {"step": step, "loss": sums["loss_sum"] / tokens, "nll": sums["nll_sum"] / tokens,
-               "ppl": math.exp(min(sums["nll_sum"] / tokens, 50.0)), "lr": last["lr"],
-               "grad_norm": float(last["grad_norm"]),
+               "ppl": math.exp(min(sums["nll_sum"] / tokens, 50.0)), "lr": last.lr,
+               "grad_norm": float(last.grad_norm),
                "tgt_tokens_per_step": tokens / self.steps, "tgt_tokens_per_sec": tokens / seconds,
                "src_tokens_per_sec": sums["src_tokens"] / seconds,
                "src_padding": 1 - sums["src_tokens"] / sums["src_slots"],

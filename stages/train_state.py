@@ -1,34 +1,21 @@
-"""The train stage's state as checkpoints hold it, and when they are written.
-
-The state is a set of named parts that each save and load themselves (the Trainer lists them): the
-model's own weights, optimizer, schedule, sampler, progress, loss scaler and the step's split over
-processes. Random draws (dropout) are seeded by the micro-batch they are for, so there is no
-generator state to keep. A resumption must be of the same run: its fingerprint says what may not
-change.
+"""The train stage's state as its checkpoints hold it: a part for each of the model's own weights, the
+optimizer, the schedule, the loss scaler and the step's split over processes (stages/checkpoint.py's
+Stateful parts; the sampler and the Trainer's progress are parts of their own), each of which says
+what is wrong with a saved state before any is loaded. Random draws (dropout) are seeded by the
+micro-batch they are for, so there is no generator state to keep. Also here: how a run is asked to stop.
 """
 from __future__ import annotations
 
 import signal
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any
 
 import numpy as np
 import torch
-from accelerate import Accelerator
 
-if TYPE_CHECKING:
-    from stages.train import TrainParams
-
-
-class Stateful(Protocol):
-    """A named part of the training state: it saves and restores itself."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> None: ...
+from stages.io import PipelineError
 
 
 def micro_batch_seed(seed: int, step: int, index: int) -> int:
@@ -37,6 +24,108 @@ def micro_batch_seed(seed: int, step: int, index: int) -> int:
     not on which process trains it: a run resumed on another split of the step draws the same ones,
     and no generator's state needs saving."""
     return int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0])
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def check_tensors(saved: Any, live: Mapping[str, torch.Tensor], what: str) -> None:
+    """ValueError unless `saved` has the tensors of `live`, each of its shape and dtype."""
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"its {what} is not a mapping of names to tensors")
+    if missing := sorted(live.keys() - saved.keys()):
+        raise ValueError(f"its {what} lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+    if extra := sorted(saved.keys() - live.keys()):
+        raise ValueError(f"its {what} has {', '.join(extra[:3])}, which this run has not")
+    for name, tensor in live.items():
+        theirs = saved[name]
+        if not isinstance(theirs, torch.Tensor) or theirs.shape != tensor.shape or theirs.dtype != tensor.dtype:
+            shown = _describe(theirs) if isinstance(theirs, torch.Tensor) else type(theirs).__name__
+            raise ValueError(f"its {what} {name} is {shown}, this run's {_describe(tensor)}")
+
+
+class ModelState:
+    """The model's own weights, whatever wraps it (DDP, compile): `unwrap` gives the model itself."""
+
+    def __init__(self, unwrap: Callable[[], torch.nn.Module]) -> None:
+        self.unwrap = unwrap
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.unwrap().state_dict()
+
+    def check(self, state: Any, step: int) -> None:
+        check_tensors(state, self.unwrap().state_dict(), "model weight")
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.unwrap().load_state_dict(state)
+
+
+class OptimizerState:
+    """The optimizer's moments, checked against the parameters they are for: a moment of another shape
+    would be read out of bounds by the fused kernels."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def check(self, state: Any, step: int) -> None:
+        groups = self.optimizer.param_groups
+        if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
+                and isinstance(state.get("param_groups"), list) and len(state["param_groups"]) == len(groups)):
+            raise ValueError(f"its optimizer state is not one of {len(groups)} parameter group(s)")
+        params = [p for group in groups for p in group["params"]]
+        ids = [i for group in state["param_groups"] if isinstance(group, dict) for i in group.get("params", ())]
+        if ids != list(range(len(params))):
+            raise ValueError(f"its optimizer state is for {len(ids)} parameters, this run has {len(params)}")
+        for i, moments in state["state"].items():
+            if not (isinstance(i, int) and 0 <= i < len(params) and isinstance(moments, dict)):
+                raise ValueError(f"its optimizer state has an entry {i!r} for no parameter")
+            for key, value in moments.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[i].shape:
+                    raise ValueError(f"its optimizer's {key} of parameter {i} is {_describe(value)}, the "
+                                     f"parameter {_describe(params[i])}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+class SchedulerState:
+    """The learning-rate schedule: its count of steps taken must be the checkpoint's step."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def check(self, state: Any, step: int) -> None:
+        taken = state.get("last_epoch") if isinstance(state, dict) else None
+        if taken != step:
+            raise ValueError(f"its schedule says {taken!r} steps were taken, its file step {step}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+
+class ScalerState:
+    """The fp16 loss scaler."""
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict()
+
+    def check(self, state: Any, step: int) -> None:
+        scale = state.get("scale") if isinstance(state, dict) else None
+        if not (isinstance(scale, float) and scale > 0 and "_growth_tracker" in state):
+            raise ValueError(f"its loss scaler state {state!r} has no positive scale")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scaler.load_state_dict(state)
 
 
 class Topology:
@@ -49,76 +138,24 @@ class Topology:
     def state_dict(self) -> dict[str, int]:
         return {"processes": self.processes, "grad_accum": self.grad_accum}
 
-    def refusal(self, saved: dict[str, int]) -> str:
-        """Why a run split as `saved` cannot go on split as this one: the products differ."""
-        self.validate(saved)
-        was, now = saved["processes"] * saved["grad_accum"], self.processes * self.grad_accum
-        return (f"{saved['processes']} processes x train.grad_accum {saved['grad_accum']} = {was} micro-batches a "
-                f"step; this one has {self.processes} x {self.grad_accum} = {now}: resume it with processes x "
-                f"train.grad_accum = {was}, or move or delete that directory to start afresh")
-
-    def validate(self, state: Any) -> None:
-        """Refuse a split that is not one, before anything is loaded."""
+    def check(self, state: Any, step: int) -> None:
+        """ValueError for a split that is not one; PipelineError for one of another product."""
         if not (isinstance(state, dict) and state.keys() == {"processes", "grad_accum"}
                 and all(isinstance(n, int) and n >= 1 for n in state.values())):
             raise ValueError(f"its topology {state!r} is not a number of processes and of micro-batches on each")
+        was, now = state["processes"] * state["grad_accum"], self.processes * self.grad_accum
+        if was != now:
+            raise PipelineError(
+                f"the checkpoints hold a run of {state['processes']} processes x train.grad_accum "
+                f"{state['grad_accum']} = {was} micro-batches a step; this one has {self.processes} x "
+                f"{self.grad_accum} = {now}: resume it with processes x train.grad_accum = {was}, or move or "
+                f"delete that directory to start afresh")
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.validate(state)
         if state != self.state_dict():
             self.say(f"topology changed: the run was trained on {state['processes']} processes x "
                      f"{state['grad_accum']} micro-batches a step and goes on on {self.processes} x {self.grad_accum}, "
                      f"the same {self.processes * self.grad_accum} micro-batches a step in the same order")
-
-
-class UnwrappedModel:
-    """The model's own weights, without what Accelerate (DDP, compile) wraps around it."""
-
-    def __init__(self, accelerator: Accelerator, model: torch.nn.Module) -> None:
-        self.acc, self.model = accelerator, model
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.acc.unwrap_model(self.model, keep_torch_compile=False).state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.acc.unwrap_model(self.model, keep_torch_compile=False).load_state_dict(state)
-
-
-def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}")
-    return out
-
-
-class CheckpointSchedule:
-    """When to save. A checkpoint every `checkpoint_every_steps` steps and at the last step: spaced in
-    steps, as the paper's were (10 minutes on 8 P100s: 1,400 base or 600 big steps), so the last N
-    span the same stretch of training on any hardware. A snapshot when `checkpoint_every_minutes`
-    have passed since the last save by the main process's clock, which every process learns with the
-    step's other agreed flags (so all save at the same step)."""
-
-    def __init__(self, params: TrainParams, is_main: bool, clock: Callable[[], float] = time.monotonic) -> None:
-        self.params, self.is_main, self.clock = params, is_main, clock
-        self.last_save = clock()
-
-    def late(self) -> bool:
-        """This process's clock says a snapshot is due (only the main process's counts)."""
-        minutes = self.params.checkpoint_every_minutes
-        return self.is_main and minutes > 0 and self.clock() - self.last_save >= 60 * minutes
-
-    def due(self, step: int, late: bool) -> Literal["checkpoint", "snapshot"] | None:
-        p = self.params
-        if (p.checkpoint_every_steps > 0 and step % p.checkpoint_every_steps == 0) or step == p.max_steps:
-            return "checkpoint"
-        return "snapshot" if late else None
-
-    def saved(self) -> None:
-        self.last_save = self.clock()
 
 
 class StopRequest:

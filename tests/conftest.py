@@ -10,17 +10,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from bench import SHARED
+from bench.common import SHARED
 from stages import average, clean, download, encode, train, vocab
 from stages.io import ParallelFiles
 from stages.model_files import current_dir
-from transformer import TransformerConfig
+from stages.params import DownloadParams, LocalSource, Multi30kSource, Wmt14Source
+from transformer.config import TransformerConfig
+from transformer.model import Transformer
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 if device := os.environ.get("TEST_DEVICE"):  # TEST_DEVICE=cuda: models and tensors made in tests go to that device
-    import torch
-
     torch.set_default_device(device)
 
 TRAIN_LINES = 3000  # of each shared training sample, to keep the suite fast
@@ -28,6 +29,20 @@ CLEAN = clean.CleanParams(max_tokens=80, max_chars=1000, max_ratio=1.5, keep_cop
                           normalize_punctuation=True, unicode_form="NFC", invalid_utf8="error", workers=2)
 TINY = TransformerConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=1, decoder_layers=1, dropout=0.1,
                          attention_dropout=0.0, norm="post", positions="sinusoidal", max_positions=512)
+
+
+PAD, BOS, EOS = 0, 2, 3  # the vocabulary's ids (stages/vocab.py)
+
+
+def tiny_model(seed: int = 0, norm: str = "post", positions: str = "sinusoidal") -> Transformer:
+    """A model of 23 tokens, small and opinionated, so different inputs give clearly different outputs."""
+    torch.manual_seed(seed)
+    config = TransformerConfig(d_model=32, n_heads=4, d_ff=64, encoder_layers=2, decoder_layers=2, dropout=0.0,
+                               attention_dropout=0.0, norm=norm, positions=positions, max_positions=64)
+    model = Transformer(config, vocab_size=23, pad_id=PAD).eval()
+    with torch.no_grad():
+        model.embed.weight.mul_(4)
+    return model
 
 
 def wait_for(condition, timeout: float, what: str):
@@ -66,7 +81,7 @@ def train_command(params: Path, encoded: Path, vocab_dir: Path, out: Path) -> li
             "--metrics", str(out / "train.json")]
 
 
-def download_params(shared: Path, work: Path, **changes) -> download.DownloadParams:
+def download_params(shared: Path, work: Path, **changes) -> DownloadParams:
     local = dict(dir=str(work / "corpus"),
                  train=(ParallelFiles("europarl-v7.first10k.en", "europarl-v7.first10k.de"),
                         ParallelFiles("news-commentary.first10k.en", "news-commentary.first10k.de")),
@@ -75,10 +90,9 @@ def download_params(shared: Path, work: Path, **changes) -> download.DownloadPar
                  test=ParallelFiles(str(shared / "wmt14/newstest2014-full/newstest2014-deen-src.en.txt"),
                                     str(shared / "wmt14/newstest2014-full/newstest2014-deen-ref.de.txt")))
     local.update(changes)
-    wmt = download.Wmt14Source(corpora=("europarl-v7",), test="full", mirrors=(), archive_dir=str(work / "archives"))
-    return download.DownloadParams(source="local", src_lang="en", tgt_lang="de", wmt14=wmt,
-                                   multi30k=download.Multi30kSource((), str(work / "archives/multi30k")),
-                                   local=download.LocalSource(**local))
+    wmt = Wmt14Source(corpora=("europarl-v7",), test="full", mirrors=(), archive_dir=str(work / "archives"))
+    return DownloadParams(source="local", src_lang="en", tgt_lang="de", wmt14=wmt,
+                          multi30k=Multi30kSource((), str(work / "archives/multi30k")), local=LocalSource(**local))
 
 
 @pytest.fixture(scope="session")

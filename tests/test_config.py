@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from pipeline import config
+from pipeline.config import ROOT
 from pipeline.config import ConfigError, Params, load_params, parse_params
 from pipeline.presets import apply_overrides, dvc_set_args, layered, load_preset, preset_names, table3_rows
 
@@ -207,3 +208,16 @@ def test_every_numeric_parameter_refuses_a_negative_value(key, tmp_path):
     path.write_text(BASE, encoding="utf-8")
     with pytest.raises(ConfigError, match=rf"{re.escape(key)}: "):
         apply_overrides({key: -1}, path)
+
+
+def test_reading_params_yaml_imports_no_torch():
+    """The params classes live apart from the stages' code, so loading params.yaml (and presets, as the
+    benches do) costs YAML and the checks, not torch, Accelerate or the orchestration's libraries."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeline.config, pipeline.presets; pipeline.presets.layered({'train.max_steps': 5}); "
+            "print(sorted(m for m in ('torch', 'accelerate', 'mlflow', 'prefect', 'dvc', 'transformer.model') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -89,6 +89,22 @@ def test_vocab_is_shared_by_both_languages(vocab_dir):
         assert vocab.UNK_ID not in sp.encode(sentence)
 
 
+def test_vocab_learned_again_from_the_same_text_is_the_same_bytes(vocab_dir, cleaned, tmp_path):
+    """Wherever the text and the output are: nothing incidental (a temporary folder, an input path) is
+    recorded in the files, so a rerun changes nothing downstream (DVC, the run's identity)."""
+    import shutil
+
+    params = vocab.VocabParams(model_type="bpe", vocab_size=1000, character_coverage=1.0, input_sentence_size=100000,
+                               seed=1)  # the conftest chain's
+    elsewhere = shutil.copytree(cleaned[0], tmp_path / "moved")
+    vocab.run(params, clean_dir=elsewhere, out_dir=tmp_path / "again")
+    for name in (vocab.MODEL_FILE, "spm.vocab"):
+        assert (tmp_path / "again" / name).read_bytes() == (vocab_dir / name).read_bytes(), name
+    assert vocab.identity(tmp_path / "again") == vocab.identity(vocab_dir)
+    vocab.run(dataclasses.replace(params, vocab_size=999), clean_dir=elsewhere, out_dir=tmp_path / "other")
+    assert vocab.identity(tmp_path / "other") != vocab.identity(vocab_dir)
+
+
 def test_vocab_too_large_for_the_data_is_a_clear_error(cleaned, tmp_path):
     params = vocab.VocabParams(model_type="bpe", vocab_size=900000, character_coverage=1.0,
                                input_sentence_size=100000, seed=1)

@@ -1,7 +1,6 @@
-"""After training: averaging checkpoints, decoding with beam search, the exports and the translate
-command, on the model the conftest chain trains on real text."""
+"""After training: averaging checkpoints, the decode stage, the exports and the translate command, on
+the model the conftest chain trains on real text (the decoding engine itself: tests/test_translate.py)."""
 import dataclasses
-import gc
 import io
 
 import pytest
@@ -12,6 +11,7 @@ from pipeline import cli
 from stages import average, decode, export, vocab
 from stages.io import PipelineError, read_lines
 from stages.model_files import list_checkpoints, read_checkpoint, read_model, write_model
+from translate import translator as translator_module
 
 
 def test_average_takes_the_last_n_by_step(averaged, trained):
@@ -46,90 +46,6 @@ def test_decode_batch_size_does_not_change_translations(averaged, vocab_dir, cle
     one = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=1, **params))  # one sentence a batch
     many = decode.translate(model, sp, lines, decode.DecodeParams(batch_tokens=10**6, **params))  # all 64 in one
     assert one == many
-
-
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_decoding_on_cpus_makes_nothing_on_torchs_default_device(averaged, vocab_dir, cleaned, precision):
-    # A default device set elsewhere (a notebook's set_default_device("cuda"), TEST_DEVICE=cuda) must not
-    # leak in: on "meta" any tensor made there has no data, and mixing it with the CPU's raises.
-    lines, sp = list(read_lines(cleaned[0] / "dev.en"))[:8], vocab.load(vocab_dir)
-    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
-                                 max_length_extra=3, batch_tokens=100)
-    expected = decode.translate(decode.load_translator(averaged[0], torch.device("cpu"), precision), sp, lines, params)
-    with torch.device("meta"):
-        model = decode.load_translator(averaged[0], torch.device("cpu"), precision)
-        assert decode.translate(model, sp, lines, params) == expected
-
-
-def test_translate_leaves_the_cycle_collector_as_it_found_it(averaged, vocab_dir, monkeypatch):
-    model, sp = decode.load_translator(averaged[0], torch.device("cpu")), vocab.load(vocab_dir)
-    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
-                                 max_length_extra=2, batch_tokens=100)
-    was = gc.isenabled()
-    try:
-        for enabled in (True, False):
-            (gc.enable if enabled else gc.disable)()
-            decode.translate(model, sp, ["a dog runs"], params)
-            assert gc.isenabled() is enabled
-
-        def fails(*args, **kwargs):
-            assert not gc.isenabled()  # off while searching
-            raise RuntimeError("the search failed")
-
-        gc.enable()
-        monkeypatch.setattr(decode, "beam_search", fails)
-        with pytest.raises(RuntimeError, match="the search failed"):
-            decode.translate(model, sp, ["a dog runs"], params)
-        assert gc.isenabled()  # back on after the failure too
-    finally:
-        (gc.enable if was else gc.disable)()
-
-
-@pytest.fixture
-def on_cpu():
-    """For tests of the CPU's own paths: the tensors they make go to the CPU whatever TEST_DEVICE says."""
-    with torch.device("cpu"):
-        yield
-
-
-def test_fp32_on_cpus_runs_every_product_on_packed_weights_as_the_plain_model(averaged, on_cpu):
-    plain = decode.read_transformer(averaged[0]).eval()
-    packed = decode.load_translator(averaged[0], torch.device("cpu"))
-    assert isinstance(packed.pre_softmax, decode.PackedPreSoftmax)
-    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
-    layers = [m for stack in (packed.encoder, packed.decoder) for m in stack.modules()
-              if isinstance(m, decode.PackedLinear)]
-    # self-attention's fused q, k and v and its output, the feed-forward's two; cross-attention's four
-    assert len(layers) == 4 * plain.config.encoder_layers + 8 * plain.config.decoder_layers
-    first, second = packed.decoder[0].ffn.net
-    assert (first.activation, second.activation) == ("relu", "none")  # the ReLU in the first product
-    for rows in (4, 1000):  # a step of one sentence, a step of a large batch
-        x = torch.randn(rows, 1, plain.config.d_model)
-        with torch.inference_mode():
-            torch.testing.assert_close(packed.decoder[0].ffn(x), plain.decoder[0].ffn(x), rtol=1e-5, atol=1e-5)
-    src, tgt = torch.randint(4, plain.vocab_size, (3, 9)), torch.randint(4, plain.vocab_size, (3, 6))
-    with torch.inference_mode():
-        torch.testing.assert_close(packed(src, tgt), plain(src, tgt), rtol=1e-5, atol=1e-5)
-        # logits larger than the heap's blocks go into the decoder's buffer, the same numbers
-        rows = decode.HEAP_BLOCK_LIMIT // (4 * plain.vocab_size) + 1
-        x, buffer = torch.randn(rows, 1, plain.config.d_model), torch.empty(rows, 1, plain.vocab_size)
-        expected = torch.nn.functional.linear(x, plain.embed.weight)
-        assert packed.pre_softmax(x, packed.embed.weight, buffer).data_ptr() == buffer.data_ptr()
-        torch.testing.assert_close(buffer, expected, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(packed.pre_softmax(x[:8], packed.embed.weight, buffer[:8]), expected[:8],
-                                   rtol=1e-5, atol=1e-5)
-
-
-def test_int8_model_runs_every_product_in_int8_close_to_fp32(averaged, on_cpu):
-    fp32 = decode.load_translator(averaged[0], torch.device("cpu"))
-    int8 = decode.load_translator(averaged[0], torch.device("cpu"), "int8")
-    assert not any(isinstance(m, torch.nn.Linear) for m in int8.modules())
-    assert isinstance(int8.pre_softmax.linear, decode.Int8Linear)
-    src, tgt = torch.randint(4, fp32.vocab_size, (3, 9)), torch.randint(4, fp32.vocab_size, (3, 6))
-    with torch.inference_mode():
-        exact, approx = fp32(src, tgt), int8(src, tgt)
-    error = float((exact - approx).abs().max() / exact.abs().max())
-    assert 0 < error < 0.05, error  # quantized (not fp32 under another name), and no product far off
 
 
 def test_int8_is_refused_off_the_cpu(averaged):
@@ -206,8 +122,9 @@ def test_translate_command_reads_a_file_or_stdin_and_warns_of_cut_lines(averaged
 
 def test_an_empty_line_translates_to_an_empty_line(averaged, vocab_dir, tmp_path, capsys, monkeypatch):
     searched = []
-    search = decode.beam_search
-    monkeypatch.setattr(decode, "beam_search", lambda d, n, *a, **k: (searched.append(n), search(d, n, *a, **k))[1])
+    search = translator_module.beam_search
+    monkeypatch.setattr(translator_module, "beam_search",
+                        lambda d, n, *a, **k: (searched.append(n), search(d, n, *a, **k))[1])
     (tmp_path / "in.en").write_text("\nThe European Parliament.\n   \n\n", encoding="utf-8")
     args = ["translate", str(tmp_path / "in.en"), "--model", str(averaged[0]), "--vocab-dir", str(vocab_dir),
             "-S", "decode.max_length_extra=3"]
@@ -215,41 +132,3 @@ def test_an_empty_line_translates_to_an_empty_line(averaged, vocab_dir, tmp_path
     out = capsys.readouterr().out.split("\n")
     assert len(out) == 5 and out[0] == out[2] == out[3] == "" and out[4] == ""  # four lines, then the end
     assert searched == [1]  # only the sentence was searched; a model asked for an empty line says something
-
-
-FREED_BYTES_KEPT = """
-import ctypes, sys, torch
-from stages import decode, vocab
-if sys.argv[1] == "decoded":  # a line translated on the CPU first, as the decode stage does
-    params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="exact",
-                                 max_length_extra=5, batch_tokens=100)
-    decode.translate(decode.load_translator(sys.argv[2], torch.device("cpu")), vocab.load(sys.argv[3]), ["a dog"],
-                     params)
-x = torch.ones(4 << 20)  # 16 MB: by glibc's default a block of its own, mapped from the OS and unmapped at free
-del x
-libc = ctypes.CDLL("libc.so.6")
-new = hasattr(libc, "mallinfo2")  # glibc 2.33 on; before it mallinfo, the same fields in ints
-class MallInfo(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t if new else ctypes.c_int)
-                for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-mallinfo = libc.mallinfo2 if new else libc.mallinfo
-mallinfo.restype = MallInfo
-print(mallinfo().fordblks)
-"""
-
-
-def test_decoding_on_cpus_keeps_freed_memory_for_the_next_step(averaged, vocab_dir):
-    """After the decode stage has run on the CPU, freed blocks stay in glibc's heap for the next step's
-    tensors instead of going back to the OS (keep_freed_memory), which they do by default."""
-    import ctypes
-    import subprocess
-    import sys
-
-    try:
-        ctypes.CDLL("libc.so.6").mallinfo
-    except (OSError, AttributeError):
-        pytest.skip("no glibc here, where keep_freed_memory does nothing (the setting and its statistics are glibc's)")
-    kept = {how: int(subprocess.run([sys.executable, "-c", FREED_BYTES_KEPT, how, str(averaged[0]), str(vocab_dir)],
-                                    capture_output=True, text=True, check=True).stdout)
-            for how in ("default", "decoded")}
-    assert kept["default"] < 16 << 20 <= kept["decoded"], kept

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stages import download, multi30k, wmt14
-from stages.download import DownloadParams, LocalSource, Multi30kSource, Wmt14Source
+from stages.params import DownloadParams, LocalSource, Multi30kSource, Wmt14Source
 from stages.fetch import Archive, extract, fetch, is_verified
 from stages.io import ParallelFiles, PipelineError, read_lines
 

@@ -3,6 +3,7 @@ function: a stop signal to a training run (one process and two), lines too long 
 the padding token, a bad split found late, untranslated copies, eight stages starting at once
 against a new tracking store, a damaged checkpoint, a save cut short, and averaging copies."""
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -153,19 +154,20 @@ def test_translations_never_contain_padding_or_bos_and_ignore_the_padding_row(av
     lines = list(read_lines(cleaned[0] / "dev.en"))[:60]
     params = decode.DecodeParams(beam_size=3, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
                                  max_length_extra=5, batch_tokens=2000)
-    model = decode.load_translator(averaged[0], torch.device("cpu"))
-    sp = vocab.load(vocab_dir)
-    before = decode.translate(model, sp, lines, params)
+    translator = decode.load_translator(averaged[0], torch.device("cpu"))
+    model, sp = translator.model, vocab.load(vocab_dir)
+    before = decode.translate(translator, sp, lines, params)
     with torch.no_grad():  # would win every step; and fills the source's padded positions, which are masked
         model.embed.weight[vocab.PAD_ID] = 50 * model.embed.weight.abs().max()
-    assert decode.translate(model, sp, lines, params) == before
+    assert decode.translate(translator, sp, lines, params) == before
     with torch.no_grad():  # would win too (and changes the decoder's first input, so the translations)
         model.embed.weight[vocab.BOS_ID] = model.embed.weight[vocab.PAD_ID]
-    from transformer import IncrementalDecoder, beam_search
+    from translate.beam_search import beam_search
+    from translate.translator import ModelSteps
 
     src = torch.tensor([sp.encode(line)[:20] + [vocab.EOS_ID] for line in lines[:4] if len(sp.encode(line)) >= 20])
     with torch.no_grad():
-        found = beam_search(IncrementalDecoder(model, src, never=(vocab.PAD_ID, vocab.BOS_ID)), len(src), 3,
+        found = beam_search(ModelSteps(model, src, never=(vocab.PAD_ID, vocab.BOS_ID)), len(src), 3,
                             torch.full((len(src),), 25), vocab.BOS_ID, vocab.EOS_ID, 0.6)
     assert all(vocab.PAD_ID not in h.tokens and vocab.BOS_ID not in h.tokens for hyps in found for h in hyps)
 
@@ -189,25 +191,87 @@ def test_eight_stages_starting_at_once_against_a_new_store_all_record_everything
     assert all(len(client.get_metric_history(r.info.run_id, "m")) == 10 for r in runs)
 
 
-@pytest.mark.parametrize("part, damaged, said", [("sampler", {"epoch": 0, "batches": -3}, "its sampler state"),
-                                                 ("topology", {"processes": "1", "grad_accum": 1}, "its topology")])
-def test_a_damaged_newest_checkpoint_is_skipped_and_stale_temporary_files_removed(part, damaged, said, encoded,
-                                                                                  vocab_dir, tmp_path, capsys):
+def _wrong_size(optimizer: dict) -> dict:
+    state = {**optimizer, "state": dict(optimizer["state"])}
+    state["state"][3] = {**state["state"][3], "exp_avg": torch.zeros(7)}
+    return state
+
+
+def _without(state: dict, key: str) -> dict:
+    return {k: v for k, v in state.items() if k != key}
+
+
+DAMAGE = {  # part: (what is done to checkpoint 4's part, what the warning says of it)
+    "sampler": (lambda s: {"epoch": 0, "batches": -3}, "its sampler state"),
+    "sampler ahead": (lambda s: {"epoch": 0, "batches": 6},
+                      "its sampler state {'epoch': 0, 'batches': 6} is not where step 4 ends"),
+    "topology": (lambda s: {"processes": "1", "grad_accum": 1}, "its topology"),
+    "progress at 0": (lambda s: {**s, "step": 0}, "its progress says step 0, its file step 4"),
+    "progress ahead": (lambda s: {**s, "step": 9}, "its progress says step 9, its file step 4"),
+    "progress without a key": (lambda s: _without(s, "history"), "its progress lacks history"),
+    "scheduler": (lambda s: {**s, "last_epoch": 0}, "its schedule says 0 steps were taken, its file step 4"),
+    "optimizer": (_wrong_size, "its optimizer's exp_avg of parameter 3 is (7,) float32"),
+    "model": (lambda s: {**s, "decoder.0.ffn.net.0.weight": torch.zeros(5, 32)},
+              "its model weight decoder.0.ffn.net.0.weight is (5, 32) float32, this run's (64, 32) float32"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_damaged_part_of_the_newest_checkpoint_is_found_before_loading_and_skipped(case, encoded, vocab_dir,
+                                                                                     tmp_path, capsys):
+    """Every part is checked before any loads: a damaged one names file and part, the run resumes from
+    the checkpoint before, the damaged file is moved aside (nothing takes it for a checkpoint), and no
+    sound checkpoint is written over by the run that went back in steps."""
     run = lambda steps: train.run(TINY, train_params(max_steps=steps), encoded_dir=encoded[0],  # noqa: E731
                                   vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p")
     run(4)
     folder = current_dir(tmp_path / "c")
     newest = read_checkpoint(folder / "checkpoint-00000004.pt")
-    newest.parts[part] = damaged  # not a place in the stream, not a split of a step
+    part = case.split()[0]
+    damage, said = DAMAGE[case]
+    newest.parts[part] = damage(newest.parts[part])
     write_checkpoint(folder, newest)
+    sound = (folder / "checkpoint-00000002.pt").read_bytes()
     stale = folder / ".checkpoint-00000006.pt.k3j2_x.tmp"  # a save a kill cut short
     stale.write_bytes(b"half a checkpoint")
     capsys.readouterr()
     assert run(6)["steps"] == 6
     out = capsys.readouterr().out
-    assert "warning: skipping" in out and f"checkpoint-00000004.pt: {said}" in out
-    assert "resumed from" in out and "checkpoint-00000002.pt at step 2" in out
+    assert f"warning: skipping {folder / 'checkpoint-00000004.pt'}: {said}" in out
+    assert f"resumed from {folder / 'checkpoint-00000002.pt'} at step 2" in out
+    assert f"moved {folder / 'checkpoint-00000004.pt'} aside to checkpoint-00000004.pt.damaged" in out
+    assert (folder / "checkpoint-00000002.pt").read_bytes() == sound
+    assert (folder / "checkpoint-00000004.pt.damaged").is_file()
+    assert [step for step, _ in list_checkpoints(folder)] == [2, 4, 6]  # 4 trained again from 2
+    assert read_checkpoint(folder / "checkpoint-00000004.pt").parts["progress"]["step"] == 4
     assert not stale.exists() and f"removed {stale}" in out
+
+
+def test_a_full_disk_during_a_save_ends_in_an_error_line_and_keeps_what_was_saved(encoded, vocab_dir, tmp_path,
+                                                                                  capsys, monkeypatch):
+    """The train stage's command, in this process, with the disk full when step 10's checkpoint is written."""
+    from pipeline import stage
+    from stages import model_files
+
+    params = train_params_file(tmp_path, **{"train.max_steps": 10})  # checkpoints every 5 steps
+    save = torch.save
+
+    def full(state, f, *args, **kwargs):
+        if state["step"] < 10:
+            return save(state, f, *args, **kwargs)
+        f.write(b"the first bytes")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(model_files.torch, "save", full)
+    assert stage.main(train_command(params, encoded[0], vocab_dir, tmp_path)[2:]) == 1
+    err = capsys.readouterr().err
+    folder = current_dir(tmp_path / "ckpt")
+    assert err.strip().splitlines()[-1] == (f"error: {folder / 'checkpoint-00000010.pt'}: could not be written: "
+                                            f"No space left on device; what was there before is left as it was")
+    assert "Traceback" not in err
+    assert [step for step, _ in list_checkpoints(folder)] == [5]
+    assert read_checkpoint(folder / "checkpoint-00000005.pt").parts["progress"]["step"] == 5
+    assert not list(folder.glob(".*.tmp"))
 
 
 def test_averaging_copies_of_one_checkpoint_returns_it_exactly(trained):

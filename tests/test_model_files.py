@@ -12,8 +12,9 @@ import torch
 
 from conftest import TINY
 from stages.io import PipelineError
-from stages.model_files import Checkpoint, ModelMeta, list_checkpoints, prune_checkpoints, read_checkpoint, \
-    read_model, write_checkpoint, write_model
+from stages.checkpoint import prune
+from stages.model_files import Checkpoint, ModelMeta, list_checkpoints, read_checkpoint, read_model, \
+    write_checkpoint, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
 META = ModelMeta(TINY, vocab_size=11, steps=(3,))
@@ -43,7 +44,7 @@ def test_checkpoints_are_chosen_by_step_not_by_name_and_pruned_oldest_first(tmp_
         (tmp_path / f"checkpoint-{step}.pt").write_bytes(b"")
     (tmp_path / ".checkpoint-00000200.pt.x.tmp").write_bytes(b"")  # an unfinished write
     assert [s for s, _ in list_checkpoints(tmp_path)] == [9, 10, 100]
-    prune_checkpoints(tmp_path, keep=2)
+    prune(tmp_path, keep=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [10, 100]
 
 
@@ -82,7 +83,7 @@ def _format_uses(path: Path) -> set[str]:
 
 
 def test_only_model_files_reads_or_writes_model_files():
-    users = {str(p.relative_to(ROOT)) for package in ("pipeline", "stages", "transformer", "bench")
+    users = {str(p.relative_to(ROOT)) for package in ("pipeline", "stages", "translate", "transformer", "bench")
              for p in (ROOT / package).glob("*.py") if _format_uses(p)}
     assert users == {"stages/model_files.py"}
 

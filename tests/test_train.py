@@ -14,10 +14,11 @@ from stages import train
 from stages.batching import BatchSampler
 from stages.devices import default_device
 from stages.io import PipelineError
-from stages.model_files import current_dir, list_checkpoints, read_checkpoint, setup_dir, write_checkpoint
-from stages.train_metrics import MetricsWindow, Progress, summary, write_curves
-from stages.train_state import CheckpointSchedule
-from transformer import TransformerConfig, inverse_sqrt_rate
+from stages.checkpoint import Checkpointer, Processes, Schedule
+from stages.model_files import ModelMeta, current_dir, list_checkpoints, read_checkpoint, write_checkpoint
+from stages.train_metrics import MetricsWindow, Progress, StepMetrics, summary, write_curves
+from transformer.config import TransformerConfig
+from transformer.schedule import inverse_sqrt_rate
 
 
 def test_train_writes_checkpoints_curves_and_finite_metrics(trained, work):
@@ -87,6 +88,28 @@ def test_a_changed_setup_trains_beside_the_other_and_going_back_retrains_nothing
     assert back["loss"] == first["loss"] and {p.name: p.stat().st_mtime_ns for p in first_dir.glob("*.pt")} == files
 
 
+def test_a_run_whose_vocabulary_and_data_were_made_again_the_same_resumes(encoded, vocab_dir, cleaned, tmp_path,
+                                                                          capsys):
+    """A run is named by what it trains on, not by incidental bytes: the vocab and encode stages run
+    again (as `dvc repro -f` does) into other folders leave the same run to resume."""
+    from stages import encode, vocab
+
+    def run(steps, vocab_at, encoded_at):
+        return train.run(TINY, train_params(max_steps=steps), encoded_dir=encoded_at, vocab_dir=vocab_at,
+                         checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p")
+
+    run(2, vocab_dir, encoded[0])
+    first = current_dir(tmp_path / "c")
+    params = vocab.VocabParams(model_type="bpe", vocab_size=1000, character_coverage=1.0, input_sentence_size=100000,
+                               seed=1)
+    vocab.run(params, clean_dir=cleaned[0], out_dir=tmp_path / "vocab")
+    encode.run(clean_dir=cleaned[0], vocab_dir=tmp_path / "vocab", out_dir=tmp_path / "encoded")
+    capsys.readouterr()
+    assert run(4, tmp_path / "vocab", tmp_path / "encoded")["steps"] == 4
+    assert current_dir(tmp_path / "c") == first and f"{first / 'checkpoint-00000002.pt'} at step 2" in \
+        capsys.readouterr().out
+
+
 def test_a_run_started_from_trained_weights_begins_at_them_in_a_folder_of_its_own(trained, encoded, vocab_dir,
                                                                                  tmp_path):
     start = list_checkpoints(trained[0])[-1][1]  # another run's step 6
@@ -152,13 +175,12 @@ def test_a_non_finite_loss_stops_before_the_update(encoded, vocab_dir, monkeypat
 
 
 def test_a_checkpoint_without_a_part_of_the_state_names_the_parts(encoded, vocab_dir, tmp_path):
-    _trainer(encoded[0], vocab_dir).save(tmp_path)
-    path = list_checkpoints(tmp_path)[0][1]
+    path = train.checkpointer(_trainer(encoded[0], vocab_dir), tmp_path).save(0)
     checkpoint = read_checkpoint(path)
     del checkpoint.parts["scheduler"]
-    write_checkpoint(tmp_path, checkpoint)
+    write_checkpoint(path.parent, checkpoint)
     with pytest.raises(PipelineError, match=r"holds the parts \[.*\], this run has \[.*'scheduler'"):
-        _trainer(encoded[0], vocab_dir).resume(tmp_path)
+        train.checkpointer(_trainer(encoded[0], vocab_dir), tmp_path).start()
 
 
 # -- the loop's parts, each alone -------------------------------------------------------------------
@@ -166,7 +188,7 @@ def test_a_checkpoint_without_a_part_of_the_state_names_the_parts(encoded, vocab
 def _step(**values):
     report = {"loss_sum": 0.0, "nll_sum": 0.0, "tokens": 0, "src_tokens": 0, "src_slots": 1, "tgt_slots": 1,
               "binding": 0, "flops": 0.0, "lr": 0.0, "grad_norm": 0.0, "data_wait": 0.0}
-    return {**report, **values}
+    return StepMetrics(**{**report, **values})
 
 
 def test_a_metrics_row_divides_the_window_sums_over_every_process():
@@ -189,21 +211,24 @@ def test_a_metrics_row_divides_the_window_sums_over_every_process():
     assert window.steps == 0 and window.sums["tokens"] == 0 and window.seconds == 0  # the next window starts afresh
 
 
-def test_checkpoints_are_due_by_steps_snapshots_by_the_main_clock():
+def _schedule(tmp_path, max_steps: int, every_steps: int, minutes: float, is_main: bool, clock) -> Checkpointer:
+    return Checkpointer(tmp_path, {}, 1, {}, Schedule(every_steps, minutes, 20, max_steps), ModelMeta(TINY, 11, ()),
+                        Processes(is_main, print, lambda: None, lambda value: [value]), clock)
+
+
+def test_checkpoints_are_due_by_steps_snapshots_by_the_main_clock(tmp_path):
     now = [0.0]
-    params = train_params(max_steps=10, checkpoint_every_steps=4, checkpoint_every_minutes=1.0)
-    schedule = CheckpointSchedule(params, is_main=True, clock=lambda: now[0])
+    schedule = _schedule(tmp_path, 10, 4, 1.0, True, lambda: now[0])
     assert {s: schedule.due(s, late=False) for s in range(1, 11) if schedule.due(s, late=False)} == \
         {4: "checkpoint", 8: "checkpoint", 10: "checkpoint"}
     assert not schedule.late()
     now[0] = 61.0
-    assert schedule.late() and not CheckpointSchedule(params, is_main=False, clock=lambda: now[0]).late()
+    assert schedule.late() and not _schedule(tmp_path, 10, 4, 1.0, False, lambda: now[0]).late()
     assert schedule.due(5, late=True) == "snapshot"  # a minute since the last save: crash safety
     assert schedule.due(8, late=True) == "checkpoint"  # on the spacing it is a checkpoint, late or not
-    schedule.saved()
+    schedule.save(8)
     assert not schedule.late() and schedule.due(6, late=False) is None
-    by_steps = CheckpointSchedule(train_params(max_steps=10, checkpoint_every_minutes=0.0), is_main=True,
-                                  clock=lambda: 1e9)
+    by_steps = _schedule(tmp_path, 10, 2, 0.0, True, lambda: 1e9)
     assert not by_steps.late() and [s for s in range(1, 11) if by_steps.due(s, False)] == [2, 4, 6, 8, 10]
 
 
@@ -235,13 +260,13 @@ def test_averaging_takes_the_step_spaced_checkpoints_not_the_snapshots_between_t
 
     # a snapshot is due at every step (a clock of a microsecond), a checkpoint every 3 steps and at the end
     params = train_params(max_steps=8, checkpoint_every_steps=3, checkpoint_every_minutes=1e-8, keep_checkpoints=2)
-    seen, save = [], train.Trainer.save
+    seen, save = [], Checkpointer.save
 
-    def spy(self, directory, snapshot=False):
-        seen.append((self.progress.step, snapshot))
-        save(self, directory, snapshot)
+    def spy(self, step, snapshot=False):
+        seen.append((step, snapshot))
+        return save(self, step, snapshot)
 
-    monkeypatch.setattr(train.Trainer, "save", spy)
+    monkeypatch.setattr(Checkpointer, "save", spy)
     train.run(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "c",
               plots_dir=tmp_path / "plots")
     assert seen == [(1, True), (2, True), (3, False), (4, True), (5, True), (6, False), (7, True), (8, False)]
@@ -260,7 +285,7 @@ def test_a_run_resumed_from_a_snapshot_equals_one_never_stopped(encoded, vocab_d
     killed = train.Trainer(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, accelerator=_accelerator())
     for _ in range(3):
         killed.train_step()
-    killed.save(setup_dir(tmp_path / "b", killed.setup), snapshot=True)  # then the process dies
+    train.checkpointer(killed, tmp_path / "b").save(3, snapshot=True)  # then the process dies
     killed.close()
     capsys.readouterr()
     resumed = train.run(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "b",
@@ -300,7 +325,7 @@ def test_a_step_waits_on_the_device_only_for_its_one_agreement(encoded, vocab_di
         out = trainer.train_step()
     trainer.close()
     assert watch.reads == ["tolist"]  # the step's agreement: loss finite? asked to stop? snapshot due?
-    assert isinstance(out["loss_sum"], torch.Tensor) and isinstance(out["grad_norm"], torch.Tensor)
+    assert isinstance(out.metrics.loss_sum, torch.Tensor) and isinstance(out.metrics.grad_norm, torch.Tensor)
 
 
 def test_batches_are_padded_to_a_multiple_of_eight_on_a_gpu_only(encoded, vocab_dir):
@@ -310,8 +335,8 @@ def test_batches_are_padded_to_a_multiple_of_eight_on_a_gpu_only(encoded, vocab_
     prepared = dataclasses.replace(trainer.inputs, pad_multiple=8).prepare(trainer.sampler.copy())
     for src, tgt_in, tgt_out in prepared.micro:
         assert src.size(1) % 8 == 0 and tgt_in.size(1) % 8 == 0 and tgt_in.shape == tgt_out.shape
-    assert prepared.report["tokens"] == sum(int(t.ne(0).sum()) for _, _, t in prepared.micro)  # real tokens only
-    assert prepared.global_tokens == prepared.report["tokens"]  # one process: the step's count is its own
+    assert prepared.counts.tokens == sum(int(t.ne(0).sum()) for _, _, t in prepared.micro)  # real tokens only
+    assert prepared.global_tokens == prepared.counts.tokens  # one process: the step's count is its own
 
 
 @pytest.mark.slow
@@ -320,7 +345,7 @@ def test_compiled_training_equals_eager_and_compiles_once_for_all_lengths(encode
 
     from stages.batching import collate
     from stages.encode import ParallelIds
-    from transformer import Transformer
+    from transformer.model import Transformer
 
     config = dataclasses.replace(TINY, dropout=0.0)  # compiled dropout draws other random numbers than eager
     history, models = {}, {}

@@ -1,19 +1,6 @@
-"""The Transformer of "Attention Is All You Need" in plain PyTorch.
+"""The Transformer of "Attention Is All You Need" in plain PyTorch: config.py (its hyperparameters,
+which import no torch), attention.py, layers.py, model.py, loss.py, schedule.py.
 
-Nothing here knows about files, tracking or distributed training: those belong to the stages.
+Nothing here knows about files, tracking, distributed training or decoding kernels: those belong to
+the stages and to the decoding engine (translate/), which apply them to the model from outside.
 """
-from transformer.beam_search import Hypothesis, beam_search
-from transformer.loss import label_smoothed_nll_loss
-from transformer.config import TransformerConfig
-from transformer.model import IncrementalDecoder, Transformer
-from transformer.schedule import inverse_sqrt_rate
-
-__all__ = [
-    "Hypothesis",
-    "IncrementalDecoder",
-    "Transformer",
-    "TransformerConfig",
-    "beam_search",
-    "inverse_sqrt_rate",
-    "label_smoothed_nll_loss",
-]

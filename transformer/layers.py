@@ -2,11 +2,9 @@
 wrapped as LayerNorm(x + Dropout(Sublayer(x))) (post-norm, the paper) or x + Dropout(Sublayer(LayerNorm(x)))."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from torch import Tensor, nn
 
-from transformer.attention import GrowingKVCache, KVCache, MultiHeadAttention, Packing
+from transformer.attention import KVCache, MultiHeadAttention, Packing
 from transformer.config import TransformerConfig
 
 
@@ -40,14 +38,6 @@ def _attention(c: TransformerConfig) -> MultiHeadAttention:
     return MultiHeadAttention(c.d_model, c.n_heads, *c.head_dims, c.attention_dropout)
 
 
-@dataclass
-class LayerCache:
-    """A decoder layer's state while decoding one position at a time."""
-
-    self_attn: GrowingKVCache = field(default_factory=GrowingKVCache)  # one position longer each step
-    cross_attn: KVCache = field(default_factory=KVCache)  # the source's, computed at the first step
-
-
 class EncoderLayer(nn.Module):
     def __init__(self, c: TransformerConfig) -> None:
         super().__init__()
@@ -74,10 +64,10 @@ class DecoderLayer(nn.Module):
         self.cross_block = Residual(c.d_model, c.dropout, pre_norm)
         self.ffn_block = Residual(c.d_model, c.dropout, pre_norm)
 
-    def forward(self, x: Tensor, memory: Tensor, src_pad: Tensor, cache: LayerCache | None = None) -> Tensor:
-        self_cache, cross_cache = (cache.self_attn, cache.cross_attn) if cache is not None else (None, None)
+    def forward(self, x: Tensor, memory: Tensor, src_pad: Tensor,
+                cache: tuple[KVCache, KVCache] | None = None) -> Tensor:
+        """x (N, T, D); with a cache, its self-attention's and its attention to the source's keys and values."""
+        self_cache, cross_cache = cache if cache is not None else (None, None)
         x = self.self_block(x, lambda h: self.self_attn(h, h, causal=True, cache=self_cache))
-        x = self.cross_block(
-            x, lambda h: self.cross_attn(h, memory, key_padding_mask=src_pad, cache=cross_cache, static_memory=True)
-        )
+        x = self.cross_block(x, lambda h: self.cross_attn(h, memory, key_padding_mask=src_pad, cache=cross_cache))
         return self.ffn_block(x, self.ffn)

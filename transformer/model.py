@@ -3,12 +3,15 @@ the target and the pre-softmax projection (section 3.4), as the joint vocabulary
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
+from transformer.attention import KVCache, Packing
 from transformer.config import TransformerConfig
-from transformer.attention import Packing
-from transformer.layers import DecoderLayer, EncoderLayer, LayerCache
+from transformer.layers import DecoderLayer, EncoderLayer
 
 
 def sinusoidal_positions(n: int, d_model: int) -> Tensor:
@@ -20,18 +23,6 @@ def sinusoidal_positions(n: int, d_model: int) -> Tensor:
     pos = torch.arange(n, dtype=torch.float32)[:, None]
     inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
     return torch.cat([torch.sin(pos * inv_freq), torch.cos(pos * inv_freq)], dim=1)
-
-
-class PreSoftmax(nn.Module):
-    """The pre-softmax linear transformation (section 3.4) with the shared embedding matrix, given at
-    each call: it holds no weights, so another implementation (int8 decoding) can take its place."""
-
-    def forward(self, x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
-        """x (N, T, d_model), weight (vocab, d_model) -> logits (N, T, vocab), written into `out` if
-        given (another implementation may return a tensor of its own instead)."""
-        if out is None:
-            return nn.functional.linear(x, weight)
-        return torch.matmul(x, weight.t(), out=out)
 
 
 class Transformer(nn.Module):
@@ -51,7 +42,13 @@ class Transformer(nn.Module):
         # Pre-norm stacks end in a LayerNorm of their own; post-norm layers already end in one.
         self.encoder_norm = nn.LayerNorm(c.d_model) if pre else nn.Identity()
         self.decoder_norm = nn.LayerNorm(c.d_model) if pre else nn.Identity()
-        self.pre_softmax = PreSoftmax()
+        # The pre-softmax projection is the embedding matrix (section 3.4); made on the meta device, so
+        # its own weight, replaced at once, costs neither memory nor random draws.
+        self.output = nn.Linear(c.d_model, vocab_size, bias=False, device="meta")
+        self.output.weight = self.embed.weight
+        # State dicts hold the shared matrix once, as embed.weight.
+        self.register_state_dict_post_hook(_drop_tied_output)
+        self.register_load_state_dict_pre_hook(_tie_output)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -88,85 +85,28 @@ class Transformer(nn.Module):
         x = self.encoder_norm(x)
         return (x if packing is None else packing.unpack(x)), src_pad
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor, cache: DecoderCache | None = None,
-               offset: int = 0, out: Tensor | None = None) -> Tensor:
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor,
+               cache: Sequence[tuple[KVCache, KVCache]] | None = None, offset: int = 0) -> Tensor:
         """tgt_in (N, T) -> logits (N, T, vocab); N may be beams x B (see MultiHeadAttention). With a
-        cache, tgt_in holds only the positions from `offset` on and keys and values of earlier positions
-        come from the cache. `out` (N, T, vocab), when given, is a buffer the logits may be written into."""
+        cache (each layer's self-attention's and attention to the source's), tgt_in holds only the
+        positions from `offset` on, and keys and values of earlier positions come from the cache."""
         x = self._embed(tgt_in, offset)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, memory, src_pad, cache.layers[i] if cache is not None else None)
-        return self.pre_softmax(self.decoder_norm(x), self.embed.weight, out)
+            x = layer(x, memory, src_pad, cache[i] if cache is not None else None)
+        return self.output(self.decoder_norm(x))
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         memory, src_pad = self.encode(src)
         return self.decode(tgt_in, memory, src_pad)
 
-    def fuse_projections(self) -> None:
-        """Every self-attention's queries, keys and values in one product, for inference (see
-        MultiHeadAttention.fuse_projections); the state dict then has qkv_proj in their place."""
-        for layer in (*self.encoder, *self.decoder):
-            layer.self_attn.fuse_projections()
+
+def _drop_tied_output(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    state.pop(prefix + "output.weight", None)
 
 
-class DecoderCache:
-    """Every decoder layer's keys and values while decoding: the self-attention's per hypothesis
-    (row), the cross-attention's per source sentence."""
-
-    def __init__(self, layers: int) -> None:
-        self.layers = [LayerCache() for _ in range(layers)]
-
-    def reorder(self, order: Tensor, sentences: Tensor | None) -> None:
-        """Keep hypothesis rows `order` (N,) as beam search chose them and, when some sentences left
-        the batch, the source rows `sentences` of those that stay."""
-        for layer in self.layers:
-            layer.self_attn.reorder(order)
-            if sentences is not None:
-                layer.cross_attn.reorder(sentences)
-
-
-class IncrementalDecoder:
-    """The beam-search view of a model over one batch of sources: next-token log-probabilities for
-    each prefix, with a key/value cache (or a full forward pass each step, for testing). The beams of
-    a sentence share its encoder output and cross-attention keys and values (one row per sentence, not
-    per beam). The tokens in `never` (padding, and the caller's BOS) get no probability at all: they
-    are taken out before the softmax, so neither the search nor the other tokens' probabilities depend
-    on their rows of the shared embedding."""
-
-    def __init__(self, model: Transformer, src: Tensor, use_cache: bool = True, never: tuple[int, ...] = ()) -> None:
-        self.model = model
-        self.memory, self.src_pad = model.encode(src, unpadded=True)  # (B, S, d_model), (B, S)
-        self.cache = DecoderCache(len(model.decoder)) if use_cache else None
-        self.never = torch.tensor(sorted({model.pad_id, *never}), device=src.device)
-        # Logits are written into this, the largest tensor of a step: on CPUs a fresh one each step
-        # costs about as much as the output projection (new pages from the OS).
-        self._logits: Tensor | None = None
-
-    def _buffer(self, n: int) -> Tensor:
-        if self._logits is None or self._logits.size(0) < n:
-            self._logits = self.model.embed.weight.new_empty(n, 1, self.model.vocab_size)
-        return self._logits[:n]
-
-    def step(self, tokens: Tensor) -> Tensor:
-        """tokens (N, t), every prefix so far, N = beams x B -> log-probabilities of the next token (N,
-        vocab), in a tensor the next step overwrites."""
-        if self.cache is None:
-            logits = self.model.decode(tokens, self.memory, self.src_pad)[:, -1]
-            return torch.log_softmax(logits.float().index_fill_(-1, self.never, float("-inf")), dim=-1)
-        t = tokens.size(1)
-        logits = self.model.decode(tokens[:, -1:], self.memory, self.src_pad, self.cache, offset=t - 1,
-                                   out=self._buffer(tokens.size(0)))
-        x = logits[:, 0].float().index_fill_(-1, self.never, float("-inf"))
-        return torch.log_softmax(x, -1, out=x)  # in place: each row is read whole before it is written
-
-    def reorder(self, order: Tensor, sentences: Tensor | None = None) -> None:
-        """Keep the hypothesis rows `order` (N,) as beam search chose them, and the sentences'
-        rows `sentences` when some left the batch."""
-        if sentences is not None:
-            self.memory = self.memory.index_select(0, sentences)
-            self.src_pad = self.src_pad.index_select(0, sentences)
-        if self.cache is not None:
-            self.cache.reorder(order, sentences)
+def _tie_output(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+    if prefix + "embed.weight" in state:
+        state[prefix + "output.weight"] = state[prefix + "embed.weight"]
 
 
 def training_flops(config: TransformerConfig, vocab_size: int, src_lengths: Tensor, tgt_lengths: Tensor) -> float:

@@ -6,6 +6,7 @@ its key/value cache, or a toy with scripted probabilities in the tests) can be s
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,6 +46,17 @@ LENGTH_PENALTIES = {"gnmt": gnmt_length_penalty, "power": power_length_penalty}
 
 
 STOPS = ("exact", "finished")
+# A step's candidate selection: (log-probabilities, beam scores, k) -> (sums, beams, tokens), as top_k.
+Select = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor, Tensor]]
+
+
+def top_k(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The k best extensions of each sentence's beams: lprobs (B, beams, vocab), the next token's
+    log-probabilities, scores (B, beams), the beams' own -> their sums (B, k), best first, and the
+    beam (B, k) and token (B, k) of each. `lprobs` may be overwritten."""
+    B, beams, vocab = lprobs.shape
+    top, index = lprobs.add_(scores.unsqueeze(-1)).view(B, beams * vocab).topk(k, dim=1)
+    return top, index // vocab, index % vocab
 
 
 def beam_search(
@@ -57,6 +69,7 @@ def beam_search(
     alpha: float,
     formula: str = "gnmt",
     stop: str = "exact",
+    select: Select = top_k,
 ) -> list[list[Hypothesis]]:
     """Search every sentence of the batch at once; return each one's finished hypotheses, best first.
 
@@ -73,7 +86,8 @@ def beam_search(
       same dev BLEU on Multi30k), and it takes about two thirds of exact's steps.
     A done sentence's rows leave the batch, so the steps that remain compute only for sentences
     still searching. The first step has one row per sentence (every beam would start from BOS alone);
-    the decoder's reorder then spreads it to `beam_size` rows.
+    the decoder's reorder then spreads it to `beam_size` rows. `select` finds each step's best
+    candidates (top_k, or a faster way that returns the same).
     """
     if stop not in STOPS:
         raise ValueError(f"stop must be one of {STOPS}, not {stop!r}")
@@ -96,7 +110,7 @@ def beam_search(
             lprobs[limited] = float("-inf")
             lprobs[limited, :, eos] = eos_lprobs
         # Each sentence's best 2K extensions, (B, 2K): at most K of them end here.
-        top_scores, top_beam, top_token = best_candidates(lprobs, scores, min(2 * K, beams * vocab))
+        top_scores, top_beam, top_token = select(lprobs, scores, min(2 * K, beams * vocab))
         ended = top_token.eq(eos)
 
         # Hypotheses that end among a sentence's best K candidates are finished: gathered in one go,
@@ -133,41 +147,6 @@ def beam_search(
             active = [active[row] for row in searching]
         decoder.reorder(order, rows)
     return [sorted(f, key=lambda h: h.score, reverse=True) for f in finished]
-
-
-def _chunk_size(vocab: int) -> int | None:
-    """64 tokens where that divides `vocab`, else the largest multiple of 8 (AVX2's float lanes) from 32
-    to 256 that does, if any. The chunks' maxima cost the most, and torch's row maximum is fastest at 64
-    floats. bench.cpu_decoding's selection part at 20 / 80 / 250 sentences: 0.31 / 1.03 / 3.36 ms with
-    chunks of 80 tokens (8,000), 0.16 / 0.43 / 2.12 ms with 64; 0.88 / 3.54 / 8.91 ms with chunks of 40
-    (37,000), 0.49 / 1.78 / 7.24 ms with 200."""
-    if vocab % 64 == 0:
-        return 64
-    return next((c for c in range(256, 31, -8) if vocab % c == 0), None)
-
-
-def best_candidates(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The k best extensions of each sentence's beams: lprobs (B, beams, vocab), the next token's
-    log-probabilities, scores (B, beams), the beams' own -> their sums (B, k), best first, and the
-    beam (B, k) and token (B, k) of each. `lprobs` may be overwritten.
-
-    A full top-k over beams x vocab sums runs at a fraction of memory speed on CPUs (torch sorts
-    each row's candidates with their indices). So each row is cut into chunks of c tokens, the chunks
-    ranked by their best sum (one vectorised pass) and only the k best chunks searched: each of the k
-    best sums lies in a chunk whose best is at least that sum, and fewer than k chunks have a better
-    best (between equal sums either may be chosen, as in a full top-k)."""
-    B, beams, vocab = lprobs.shape
-    c = _chunk_size(vocab)
-    if c is None or beams * vocab // c < k:
-        top, index = lprobs.add_(scores.unsqueeze(-1)).view(B, beams * vocab).topk(k, dim=1)
-        return top, index // vocab, index % vocab
-    chunk_best = lprobs.view(B, beams, vocab // c, c).amax(-1).add_(scores.unsqueeze(-1))  # (B, beams, vocab / c)
-    chunks = chunk_best.view(B, -1).topk(k, dim=1).indices  # (B, k), numbered across the beams
-    index = (chunks.unsqueeze(-1) * c + torch.arange(c, device=lprobs.device)).view(B, k * c)  # into beams x vocab
-    sums = lprobs.view(B, beams * vocab).gather(1, index).add_(scores.gather(1, index // vocab))
-    top, j = sums.topk(k, dim=1)
-    index = index.gather(1, j)
-    return top, index // vocab, index % vocab
 
 
 def _settled(finished: list[Hypothesis], k: int, best_alive_log_prob: float, largest_penalty: float) -> bool:

@@ -1,0 +1,210 @@
+"""bench.gpu's driver: runs each part in a process of its own, writes the JSON after each and the
+table at the end (the package's docstring says what each part measures)."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.gpu import FULL, PARTS, SMOKE, Sizes, prepare
+
+OUT_OF_MEMORY = 3  # a part's exit status when the GPU ran out of memory
+ORCHESTRATION = ("mlflow", "prefect", "dvc")
+
+
+def run_part(sizes: Sizes, work: Path, part: str, accum: int) -> dict[str, Any]:
+    """One measurement, in this process: `part` is its module's function and arguments, e.g.
+    throughput:base:ours."""
+    import torch
+
+    kind, *args = part.split(":")
+    try:
+        if kind == "prepare":
+            result = prepare(sizes, work)
+        elif kind == "throughput":
+            from bench.gpu.throughput import throughput
+
+            result = throughput(sizes, work, args[0], args[1], accum)
+        elif kind == "profile":
+            from bench.gpu.profile import profile
+
+            result = profile(sizes, work)
+        elif kind == "curve":
+            from bench.gpu.curves import curve
+
+            result = curve(sizes, work, args[0])
+        elif kind == "multi30k":
+            from bench.gpu.multi30k import multi30k
+
+            result = multi30k(sizes, work)
+        else:
+            from bench.gpu.decode import decode
+
+            result = decode(sizes, work)
+    except torch.cuda.OutOfMemoryError:
+        sys.exit(OUT_OF_MEMORY)
+    loaded = [m for m in ORCHESTRATION if m in sys.modules]
+    assert not loaded, f"bench.gpu must run without the orchestration layer, but imported {loaded}"
+    return result
+
+
+# -- the whole run ------------------------------------------------------------------------------------
+
+def spawn(part: str, args: argparse.Namespace, work: Path, accum: int = 1) -> dict[str, Any]:
+    """Run one part in a fresh process; on running out of memory, again with twice the accumulation.
+    A part that fails or runs past --part-timeout gives {"error": why}, and the run goes on."""
+    out = work / f"{part.replace(':', '-')}.json"
+    command = [sys.executable, "-m", "bench.gpu", "--part", part, "--work", str(work), "--accum", str(accum),
+               "--part-out", str(out), *(["--smoke"] if args.smoke else [])]
+    start = time.perf_counter()
+    print(f"== {part}", flush=True)
+    try:
+        proc = subprocess.run(command, timeout=args.part_timeout or None)
+    except subprocess.TimeoutExpired:
+        return {"error": f"ran past --part-timeout ({args.part_timeout:.0f} s)"}
+    if proc.returncode == OUT_OF_MEMORY and accum < 16:
+        print(f"{part}: out of memory with accumulation {accum}; again with {accum * 2}", flush=True)
+        return spawn(part, args, work, accum * 2)
+    if proc.returncode != 0:
+        return {"error": f"failed (exit status {proc.returncode}; its output above)"}
+    result = json.loads(out.read_text())
+    result["wall_seconds"] = time.perf_counter() - start
+    print(f"{part}: {result['wall_seconds']:.0f} s", flush=True)
+    return result
+
+
+def table(results: dict[str, Any]) -> str:
+    """The markdown report of whichever parts ran."""
+    lines = [f"# bench.gpu on {results['device']}{' (smoke sizes)' if results['smoke'] else ''}", ""]
+    errors = [f"- {name}: {why}" for name, why in results.get("errors", {}).items()]
+    if errors:
+        lines += ["Parts that did not finish:", *errors, ""]
+    if throughput := results.get("throughput"):
+        lines += [f"Training, bf16, {results['batch_tokens']} target tokens a step (the train stage's step "
+                  "against MarianMT of the same shape, on the same batches):", "",
+                  "| model | system | accumulation | target tokens/s | TFLOP/s | MFU | peak memory (GB) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in throughput:
+            mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+            memory = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
+            lines.append(f"| {r['model']} | {r['system']} | {r['grad_accum']} | {r['tgt_tokens_per_sec']:,.0f} | "
+                         f"{r['tflops']:.3g} | {mfu} | {memory} |")
+        lines += [f"\nours / MarianMT, {m}: {ratio:.2f}x" for m, ratio in results["ours_over_marian"].items()]
+        lines.append("")
+    if r := results.get("profile"):
+        busy = r["kernel_seconds_per_step"]
+        busy = f", its kernels {busy:.3f} s (the GPU busy {busy / r['step_seconds']:.0%})" if busy is not None else ""
+        lines += [f"Profile, {r['model']}: a step takes {r['step_seconds']:.3f} s without the profiler{busy}; "
+                  f"{r['steps']} steps under it:", "", "```", r["table"], "```", ""]
+    if c := results.get("curves"):
+        lines += [f"bf16 against fp32, {c['model']}, {c['steps']} steps: loss curves agree within "
+                  f"{c['max_relative_difference']:.3%} (limit {c['limit']:.0%}): {'yes' if c['agree'] else 'NO'}; "
+                  f"final loss fp32 {c['final']['fp32']:.3f}, bf16 {c['final']['bf16']:.3f}", ""]
+    if d := results.get("decode"):
+        lines += [f"Decoding, beam 4, {d['sentences']} sentences of newstest2014, weights: {d['weights']}:", "",
+                  *d["table"], *[f"{system}: not measured ({why})" for system, why in d["unavailable"].items()],
+                  *[f"BLEU of {s['system']} {s['precision']}: {s['bleu']:.1f}" for s in d["systems"]], ""]
+    if m := results.get("multi30k"):
+        times = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in m["seconds"].items())
+        lines += [f"Multi30k, presets multi30k + multi30k-gpu ({m['steps']} steps): test2016 BLEU "
+                  f"{m['bleu']['test']:.1f} (dev {m['bleu']['dev']:.1f}) in {m['total_seconds'] / 60:.1f} minutes: "
+                  f"{times}", ""]
+    return "\n".join(lines)
+
+
+def write(path: Path, text: str) -> None:
+    from stages.io import atomic_write
+
+    with atomic_write(path) as f:
+        f.write(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, for a CPU")
+    ap.add_argument("--out", type=Path, default=Path("gpu-bench.json"), help="the JSON; the table goes beside (.md)")
+    ap.add_argument("--parts", type=lambda text: text.split(","), default=list(PARTS),
+                    help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
+    ap.add_argument("--part-timeout", type=float, default=0.0,
+                    help="seconds each measurement may take before it is stopped and reported so (0: no limit)")
+    ap.add_argument("--work", type=Path, help="keep the prepared data and the trained models here, e.g. to decode "
+                    "decode's model on the CPU afterwards (default: a temporary folder, removed at the end)")
+    ap.add_argument("--part", help=argparse.SUPPRESS)
+    ap.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--accum", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.work is not None and args.work.exists() and not args.work.is_dir():
+        ap.error(f"--work {args.work}: not a folder (it is where the data and models are kept)")
+    if args.part_timeout < 0:
+        ap.error(f"--part-timeout must be 0 (no limit) or more seconds, not {args.part_timeout}")
+    if unknown := set(args.parts) - set(PARTS):
+        ap.error(f"--parts: unknown {', '.join(sorted(unknown))} (known: {', '.join(PARTS)})")
+    sizes = SMOKE if args.smoke else FULL
+    if args.part:
+        write(args.part_out, json.dumps(run_part(sizes, args.work, args.part, args.accum)))
+        return
+    import torch
+
+    start = time.perf_counter()
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                               "smoke": args.smoke, "batch_tokens": sizes.batch_tokens, "torch": torch.__version__,
+                               "errors": {}}
+
+    def measured(key: str, part: str) -> dict[str, Any] | None:
+        """A part's result, or None with its error recorded; the JSON rewritten either way."""
+        result = spawn(part, args, work)
+        if "error" in result:
+            results["errors"][part] = result["error"]
+        write(args.out, json.dumps(results, indent=2) + "\n")
+        return None if "error" in result else result
+
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        if set(args.parts) - {"multi30k"}:  # every other part reads the prepared Europarl sample
+            results["prepare"] = measured("prepare", "prepare")
+            if results["prepare"] is None:
+                raise SystemExit(f"bench.gpu: preparing the data failed: {results['errors']['prepare']}")
+        if "throughput" in args.parts:
+            results["throughput"], results["ours_over_marian"] = [], {}
+            for m in sizes.models:
+                for system in ("ours", "marian"):
+                    if r := measured("throughput", f"throughput:{m}:{system}"):
+                        results["throughput"].append(r)
+                        print(f"{m} {system}: {r['tgt_tokens_per_sec']:,.0f} target tokens/s, {r['tflops']:.3g} "
+                              f"TFLOP/s, MFU {r['mfu']}, peak {r['peak_memory_gb']} GB", flush=True)
+                rate = {r["system"]: r["tgt_tokens_per_sec"] for r in results["throughput"] if r["model"] == m}
+                if len(rate) == 2:
+                    results["ours_over_marian"][m] = rate["ours"] / rate["marian"]
+        if "profile" in args.parts and (r := measured("profile", "profile")):
+            results["profile"] = r
+            print(r["table"], flush=True)
+        if "curves" in args.parts:
+            curves = {p: measured("curves", f"curve:{p}") for p in ("fp32", "bf16")}
+            if all(curves.values()):
+                differences = [abs(a - b) / a for a, b in zip(curves["fp32"]["loss"], curves["bf16"]["loss"],
+                                                                strict=True)]
+                results["curves"] = {"model": curves["fp32"]["model"], "steps": sizes.curve_steps, "runs": curves,
+                                     "max_relative_difference": max(differences), "limit": 0.03,
+                                     "agree": max(differences) <= 0.03,
+                                     "final": {p: c["loss"][-1] for p, c in curves.items()}}
+                print(f"bf16 against fp32: largest relative difference {max(differences):.3%}", flush=True)
+        for part in ("decode", "multi30k"):
+            if part in args.parts:
+                results[part] = measured(part, part)
+    results["wall_seconds"] = time.perf_counter() - start
+    write(args.out, json.dumps(results, indent=2) + "\n")
+    text = table(results) + f"\n{results['wall_seconds'] / 60:.1f} minutes in all\n"
+    write(args.out.with_suffix(".md"), text)
+    print(text)
+    if results["errors"]:
+        raise SystemExit(f"bench.gpu: {len(results['errors'])} part(s) did not finish: {', '.join(results['errors'])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""bench.gpu's multi30k part: the pipeline's stages in dvc.yaml's order with the presets multi30k and
+multi30k-gpu, each stage timed, and the BLEU."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import MULTI30K, settings
+from bench.gpu import Sizes
+
+
+def multi30k(sizes: Sizes, work: Path) -> dict[str, Any]:
+    """The pipeline's stages, in dvc.yaml's order, with the presets multi30k and multi30k-gpu, on the
+    shared Multi30k copy (the download stage's local source): each stage's time and the BLEU."""
+    from stages import average, clean, download, encode, score, train, vocab
+    from stages import decode as decode_stage
+
+    source = work / "multi30k-source"
+    source.mkdir(parents=True, exist_ok=True)
+    files = {"train": "train", "dev": "val", "test": "test_2016_flickr"}
+    for stem in files.values():
+        for lang in ("en", "de"):
+            lines = (MULTI30K / f"{stem}.{lang}").read_text(encoding="utf-8").splitlines()
+            (source / f"{stem}.{lang}").write_text("\n".join(lines[: sizes.multi30k_lines]) + "\n", encoding="utf-8")
+    params = settings({"download.source": "local", "download.local.dir": str(source),
+                       "download.local.train": [{"src": "train.en", "tgt": "train.de"}],
+                       "download.local.dev": {"src": "val.en", "tgt": "val.de"},
+                       "download.local.test": {"src": "test_2016_flickr.en", "tgt": "test_2016_flickr.de"},
+                       **sizes.multi30k}, presets=("multi30k", "multi30k-gpu"))
+    out = work / "multi30k"
+    paths = {name: out / name for name in ("raw", "clean", "vocab", "encoded", "checkpoints", "plots", "hyps")}
+    model = out / "averaged.safetensors"
+    stages = {
+        "download": lambda: download.run(params.download, out_dir=paths["raw"]),
+        "clean": lambda: clean.run(params.clean, raw_dir=paths["raw"], out_dir=paths["clean"]),
+        "vocab": lambda: vocab.run(params.vocab, clean_dir=paths["clean"], out_dir=paths["vocab"]),
+        "encode": lambda: encode.run(clean_dir=paths["clean"], vocab_dir=paths["vocab"], out_dir=paths["encoded"]),
+        "train": lambda: train.run(params.model, params.train, encoded_dir=paths["encoded"], vocab_dir=paths["vocab"],
+                                   checkpoint_dir=paths["checkpoints"], plots_dir=paths["plots"]),
+        "average": lambda: average.run(params.average, checkpoint_dir=paths["checkpoints"], out_path=model),
+        "decode": lambda: decode_stage.run(params.decode, model_path=model, vocab_dir=paths["vocab"],
+                                           clean_dir=paths["clean"], out_dir=paths["hyps"]),
+        "score": lambda: score.run(params.score, hyp_dir=paths["hyps"], ref_dir=paths["raw"]),
+    }
+    seconds, metrics = {}, {}
+    for name, run in stages.items():
+        start = time.perf_counter()
+        metrics[name] = run()
+        seconds[name] = time.perf_counter() - start
+        print(f"multi30k: {name} done in {seconds[name]:.0f} s", flush=True)
+    return {"seconds": seconds, "total_seconds": sum(seconds.values()), "steps": params.train.max_steps,
+            "train": metrics["train"], "bleu": {split: metrics["score"][split]["bleu"] for split in ("dev", "test")}}

@@ -1,0 +1,93 @@
+"""bench.gpu's throughput part: the train stage's own optimizer step (`Trainer.train_step`) against
+MarianMT of the same shape and precision on the same batches with the same optimizer."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import model_config, train_params
+from bench.gpu import Sizes
+from stages.train_inputs import BatchCounts
+
+
+def throughput(sizes: Sizes, work: Path, model: str, system: str, accum: int) -> dict[str, Any]:
+    """Timed optimizer steps of ours (the train stage's step) or of MarianMT on the same batches."""
+    import torch
+
+    from stages.devices import default_device, peak_flops, use_fast_attention
+
+    device = default_device()
+    if device.type == "cuda":
+        use_fast_attention()  # for MarianMT too, which also calls scaled_dot_product_attention
+    step, parameters, close = (_ours if system == "ours" else _marian)(sizes, work, model_config(model), accum)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    tokens = flops = 0
+    seconds = 0.0
+    for i in range(sizes.warmup_steps + sizes.timed_steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        counts = step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= sizes.warmup_steps:
+            seconds += time.perf_counter() - start
+            tokens, flops = tokens + counts.tokens, flops + counts.flops
+    close()
+    peak = peak_flops(device, "bf16")
+    return {"model": model, "system": system, "grad_accum": accum, "parameters": parameters,
+            "tgt_tokens_per_sec": tokens / seconds, "tflops": flops / seconds / 1e12,
+            "mfu": flops / seconds / peak if peak else None,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+
+
+def _ours(sizes: Sizes, work: Path, config, accum: int):
+    """The train stage's own optimizer step."""
+    import torch
+    from accelerate import Accelerator
+
+    from stages import train
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16")
+    trainer = train.Trainer(config, train_params(batch_tokens=sizes.batch_tokens, grad_accum=accum),
+                            encoded_dir=work / "encoded", vocab_dir=work / "vocab", accelerator=accelerator)
+    return lambda: trainer.train_step().metrics, trainer.n_parameters, trainer.close
+
+
+def _marian(sizes: Sizes, work: Path, config, accum: int):
+    """MarianMT of our shape through the batches the train stage would take (same sampler, same
+    collation), in bf16 autocast, with the same fused Adam and the loss summed over target tokens
+    divided by the step's token count."""
+    import torch
+
+    from bench.train import marian
+    from stages import vocab
+    from stages.devices import default_device
+    from stages.encode import ParallelIds
+    from stages.train_inputs import StepInputs, training_sampler
+
+    device = default_device()
+    corpus = ParallelIds(work / "encoded", "train")
+    sampler, _, _ = training_sampler(corpus, sizes.batch_tokens, accum, seed=1, world=1, rank=0,
+                                     max_positions=config.max_positions)
+    vocab_size = vocab.load(work / "vocab").get_piece_size()
+    inputs = StepInputs(corpus, config, vocab_size, accum, rank=0, pad_multiple=8 if device.type == "cuda" else 1,
+                        pin=device.type == "cuda")
+    model, loss_fn = marian(config, vocab_size)
+    model.to(device).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+
+    def step() -> BatchCounts:
+        prepared = inputs.prepare(sampler)
+        for batch in prepared.micro:
+            src, tgt_in, tgt_out = (x.to(device, non_blocking=True) for x in batch)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = loss_fn(src, tgt_in, tgt_out)
+            (loss / prepared.global_tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return prepared.counts
+
+    return step, sum(p.numel() for p in model.parameters()), lambda: None

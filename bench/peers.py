@@ -1,0 +1,274 @@
+"""Decoding the same lines with the same weights in each system, each in a process of its own as a user
+runs it: ours (the decode stage's translate on translate/'s Translator), Hugging Face transformers'
+MarianMT `generate` and CTranslate2, from the export stage's files; and the report comparing them.
+Used by bench.decode and bench.gpu's decode part."""
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages import export, vocab
+from stages.decode import load_translator, translate
+from stages.devices import default_device
+from stages.params import DecodeParams
+from translate.cuda import DTYPES
+from translate.translator import length_batches
+
+CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8"}
+
+
+@dataclass(frozen=True)
+class Decoded:
+    system: str
+    precision: str
+    batch_tokens: int
+    seconds: float
+    tokens: int  # sentencepiece pieces of the output
+    lines: list[str]
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+def _timed(work: Callable[[], list[str]]) -> tuple[float, list[str]]:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    lines = work()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, lines
+
+
+SYSTEMS = ("ours (decode stage)", "transformers MarianMT generate", "CTranslate2")
+PEERS = {"transformers": SYSTEMS[1], "ctranslate2": SYSTEMS[2]}  # --peers names
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a worker process needs to load one system: the same weights in each system's format."""
+    model_path: Path
+    vocab_dir: Path
+    marian_dir: Path
+    ct2_dir: Path
+    beam: int
+    batch_tokens: int
+    threads: int
+
+
+def decode_all(model_path: Path, vocab_dir: Path, lines: list[str], beam: int, batch_sizes: tuple[int, ...],
+               precisions: tuple[str, ...], tmp: Path, repeats: int = 1,
+               peers: tuple[str, ...] = SYSTEMS[1:]) -> tuple[list[Decoded], dict[str, str]]:
+    """Every system at every precision and batch size (source tokens) on the same lines: ours (the
+    decode stage), transformers MarianMT generate and CTranslate2 (or those of `peers`), from the same
+    weights. Also returns, by system and precision, why a peer could not run here (CTranslate2's wheel
+    is built for one CUDA major version).
+
+    Each system runs in a process of its own, as a user runs it: two in one process would share its
+    allocator settings and bring two OpenMP runtimes. The processes take turns, one translating at a
+    time, every system at every batch size in each round."""
+    marian_dir = export.to_marian(model_path, vocab_dir, tmp / "marian")
+    ct2_dir = export.to_ctranslate2(marian_dir, tmp / "ct2")
+    sp = vocab.load(vocab_dir)
+    results, unavailable = [], {}
+    for precision in precisions:
+        with ExitStack() as stack:
+            # lines[:8] warm each worker up: first calls, kernels chosen, caches filled
+            workers = {size: stack.enter_context(_Workers(
+                Setup(model_path, vocab_dir, marian_dir, ct2_dir, beam, size, torch.get_num_threads()),
+                precision, lines[:8], (SYSTEMS[0], *peers))) for size in batch_sizes}
+            for size_workers in workers.values():
+                unavailable |= {f"{name} {precision}": why for name, why in size_workers.unavailable.items()}
+            best, outputs = {}, {}
+            for _ in range(repeats):  # in turn, so a slow spell of the machine does not fall on one system only
+                for size, size_workers in workers.items():
+                    for name in size_workers.ready:
+                        seconds, outputs[name, size] = size_workers.translate(name, lines)
+                        best[name, size] = min(best.get((name, size), float("inf")), seconds)
+        results += [Decoded(name, precision, size, seconds, sum(len(ids) for ids in sp.encode(outputs[name, size])),
+                            outputs[name, size]) for (name, size), seconds in best.items()]
+    return results, unavailable
+
+
+class _Workers:
+    """One process per system, each loading its system and answering translation requests with
+    (seconds, output lines); a system that cannot load here says why instead."""
+
+    def __init__(self, setup: Setup, precision: str, warm_up: list[str], systems: tuple[str, ...]) -> None:
+        context = multiprocessing.get_context("spawn")  # no state of this process is inherited
+        self.connections, self.processes, self.ready, self.unavailable = {}, [], [], {}
+        for name in systems:
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_serve, args=(theirs, name, precision, setup, warm_up), daemon=True)
+            process.start()
+            theirs.close()
+            self.connections[name] = ours
+            self.processes.append(process)
+        for name in self.connections:
+            why = self._answer(name)
+            if why is None:
+                self.ready.append(name)
+            else:
+                self.unavailable[name] = why
+
+    def _answer(self, name: str) -> Any:
+        try:
+            return self.connections[name].recv()
+        except EOFError:
+            raise RuntimeError(f"{name}: its worker process ended without answering (its error is above)") from None
+
+    def translate(self, name: str, lines: list[str]) -> tuple[float, list[str]]:
+        self.connections[name].send(lines)
+        return self._answer(name)
+
+    def __enter__(self) -> _Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for connection in self.connections.values():
+            connection.close()  # a worker waiting for lines reads the end and returns
+        for process in self.processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+
+
+def _serve(connection, name: str, precision: str, setup: Setup, warm_up: list[str]) -> None:
+    """A worker process: load one system, warm it up, then time each list of lines it is sent."""
+    torch.set_num_threads(setup.threads)
+    work = _load(name, precision, setup)
+    if isinstance(work, str):
+        connection.send(work)
+        return
+    work(warm_up)
+    connection.send(None)
+    while True:
+        try:
+            lines = connection.recv()
+        except EOFError:
+            return
+        connection.send(_timed(lambda: work(lines)))
+
+
+def _load(name: str, precision: str, setup: Setup) -> Callable[[list[str]], list[str]] | str:
+    """One system's translation of a list of lines, batched alike in all, or why it cannot run here."""
+    device = default_device()
+    sp = vocab.load(setup.vocab_dir)
+
+    def batches(some: list[str]) -> list[list[int]]:
+        return length_batches([len(ids) for ids in sp.encode(some)], setup.batch_tokens)
+
+    if name == "CTranslate2":
+        return _ctranslate2(setup.ct2_dir, sp, setup.beam, batches, device, precision)
+    if name.startswith("ours"):
+        ours = load_translator(setup.model_path, device, precision)
+        params = DecodeParams(beam_size=setup.beam, length_penalty=0.6, length_penalty_formula="power",
+                              stop="finished", max_length_extra=50, batch_tokens=setup.batch_tokens)
+        return lambda some: translate(ours, sp, some, params, "ours")
+    if precision not in DTYPES:
+        return "no int8 decoding without another package (bitsandbytes, optimum-quanto or torchao)"
+    from transformers import MarianMTModel, MarianTokenizer
+
+    tokenizer = MarianTokenizer.from_pretrained(setup.marian_dir)
+    hf = MarianMTModel.from_pretrained(setup.marian_dir).to(device=device, dtype=DTYPES[precision]).eval()
+
+    def generate(some: list[str]) -> list[str]:
+        out = [""] * len(some)
+        with torch.inference_mode():
+            for batch in batches(some):
+                inputs = tokenizer([some[i] for i in batch], return_tensors="pt", padding=True).to(device)
+                ids = hf.generate(**inputs, num_beams=setup.beam, length_penalty=0.6, do_sample=False,
+                                  early_stopping=True, max_new_tokens=inputs["input_ids"].size(1) + 50)
+                for i, text in zip(batch, tokenizer.batch_decode(ids, skip_special_tokens=True), strict=True):
+                    out[i] = text
+        return out
+
+    return generate
+
+
+def _ctranslate2(model_dir: Path, sp, beam: int, batches: Callable[[list[str]], list[list[int]]],
+                 device: torch.device, precision: str) -> Callable[[list[str]], list[str]] | str:
+    """CTranslate2's translation of a list of lines, or why it cannot run on this device."""
+    import ctranslate2
+
+    if device.type == "cuda":  # its CUDA libraries load at the first translation, and a missing one can abort
+        probe = subprocess.run([sys.executable, "-c", f"import ctranslate2; ctranslate2.Translator({str(model_dir)!r}, "
+                                f"device='cuda', compute_type={CT2_TYPES[precision]!r}).translate_batch([['a']])"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0:
+            return (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+    try:
+        translator = ctranslate2.Translator(str(model_dir), device=device.type, compute_type=CT2_TYPES[precision],
+                                            intra_threads=torch.get_num_threads())
+
+        def ct2(some: list[str]) -> list[str]:
+            out = [""] * len(some)
+            for batch in batches(some):
+                source = [sp.encode(some[i], out_type=str) + ["</s>"] for i in batch]
+                found = translator.translate_batch(source, beam_size=beam, length_penalty=0.6,
+                                                   max_decoding_length=max(map(len, source)) + 50)
+                for i, result in zip(batch, found, strict=True):
+                    out[i] = sp.decode(result.hypotheses[0])
+            return out
+
+        ct2(["a"])  # loads the device's libraries (cuBLAS of the CUDA version it was built for)
+    except (RuntimeError, OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ct2
+
+
+AGREEMENT = 0.95  # the share of identical output lines below which two speeds are not compared
+
+
+def _same(a: list[str], b: list[str]) -> float:
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def _ratio(ours: Decoded, other: Decoded) -> str:
+    """Ours against another system, unless their outputs agree on too few lines to compare speeds."""
+    if _same(ours.lines, other.lines) < AGREEMENT:
+        return "not compared: outputs differ"
+    return f"ours / this: {ours.rate / other.rate:.2f}x"
+
+
+def report(results: list[Decoded], references: list[str] | None = None) -> list[str]:
+    """Each system's rate, ours against it at the same precision and batch size, and the share of
+    output lines identical to ours; with references, each system's sacreBLEU (what a lower precision
+    costs). With several batch sizes, then each system at its fastest one against ours at its own."""
+    import sacrebleu
+
+    sizes = len({r.batch_tokens for r in results}) > 1
+    rows = []
+    for r in results:
+        ours = next(o for o in results if (o.system, o.precision, o.batch_tokens) ==
+                    (SYSTEMS[0], r.precision, r.batch_tokens))
+        bleu = f"  BLEU {sacrebleu.corpus_bleu(r.lines, [references]).score:.2f}" if references else ""
+        first = results[0].precision  # ours at a later precision: how many lines that precision changed
+        if r is ours and r.precision != first:
+            ours_first = next(o for o in results if (o.precision, o.batch_tokens, o.system) ==
+                              (first, r.batch_tokens, r.system))
+            bleu += f"  same lines as ours {first}: {_same(ours_first.lines, r.lines):.1%}"
+        size = f"{r.batch_tokens:>7,}" if sizes else ""
+        rows.append(f"{r.system:32}{r.precision:>5}{size}{r.rate:>10,.0f} target tokens/s"
+                    f"{len(r.lines) / r.seconds:>8,.1f} sentences/s  ({r.tokens} tokens)  {_ratio(ours, r)}"
+                    f"  same lines: {_same(ours.lines, r.lines):.1%}{bleu}")
+    if sizes:
+        rows.append("each at its fastest batch size (source tokens):")
+        fastest: dict[tuple[str, str], Decoded] = {}
+        for r in results:
+            if (r.system, r.precision) not in fastest or r.rate > fastest[r.system, r.precision].rate:
+                fastest[r.system, r.precision] = r
+        for r in fastest.values():
+            rows.append(f"{r.system:32}{r.precision:>5}{r.batch_tokens:>7,}{r.rate:>10,.0f} target tokens/s  "
+                        f"{_ratio(fastest[SYSTEMS[0], r.precision], r)}")
+    return rows

@@ -1,0 +1,391 @@
+"""The decoding engine (translate/): the cached step decoder against full forward passes, beam search
+against scripted probabilities (exact tokens and scores), the Translator's batching, and each backend's
+transforms against the plain model they came from, on tiny models and on the model the conftest chain
+trains on real text."""
+import copy
+import dataclasses
+import gc
+import math
+import typing
+
+import pytest
+import torch
+
+from conftest import BOS, EOS, PAD, tiny_model
+from stages import decode, vocab
+from stages.io import read_lines
+from stages.params import DecodeParams, Precision
+from translate import cpu, translator as translator_module
+from translate.translator import PRECISIONS, Translator
+from translate.beam_search import STOPS, beam_search
+from translate.cache import GrowingKVCache, SourceKVCache
+from translate.transforms import FusedProjections, fuse_self_attention
+from translate.translator import ModelSteps
+from transformer.model import Transformer
+
+
+@pytest.fixture(params=["sdpa", "products", "fused"])
+def decoding_attention(request, monkeypatch):
+    """Apply to a model: its decoder attending as the model does (scaled_dot_product_attention), or as
+    the CPU backend does through two batched products, or through the fused kernel, whatever the size."""
+    monkeypatch.setattr(cpu, "fused_attention_is_faster", lambda *shape: request.param == "fused")
+
+    def apply(model: Transformer) -> Transformer:
+        if request.param != "sdpa":
+            cpu.attend_for_decoding(model)
+        return model
+
+    return apply
+
+
+def test_cached_decoding_equals_full_decoding(decoding_attention):
+    model = tiny_model()
+    src = torch.randint(4, 23, (3, 8))
+    src[1, 5:] = PAD
+    tokens = torch.cat([torch.full((3, 1), BOS), torch.randint(4, 23, (3, 6))], dim=1)
+    with torch.no_grad():
+        full = torch.log_softmax(model(src, tokens).index_fill(-1, torch.tensor([PAD]), float("-inf")), dim=-1)
+        decoder = ModelSteps(decoding_attention(copy.deepcopy(model)), src)
+        steps = [decoder.step(tokens[:, : t + 1]).clone() for t in range(tokens.size(1))]  # each overwrites the last
+    torch.testing.assert_close(torch.stack(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_the_cache_has_a_place_per_layer_and_reorders_without_names():
+    model = tiny_model()
+    src = torch.randint(4, 23, (3, 5))
+    decoder = ModelSteps(model, src)  # stepped with 6 rows: two beams per sentence
+    with torch.no_grad():
+        decoder.step(torch.full((6, 1), BOS))
+        decoder.step(torch.cat([torch.full((6, 1), BOS), torch.randint(4, 23, (6, 1))], dim=1))
+    layers = decoder.cache
+    assert len(layers) == len(model.decoder) == 2
+    assert all(isinstance(s, GrowingKVCache) and isinstance(c, SourceKVCache) for s, c in layers)
+    # Self-attention per hypothesis; cross-attention per sentence, which its beams share.
+    assert layers[0][0].k.shape == (6, 4, 2, 8) and layers[0][1].k.shape == (3, 4, 5, 8)
+    before = [(self_attn.k, source.k) for self_attn, source in layers]
+    swap = torch.tensor([1, 0, 3, 2, 5, 4])  # beams trade places within each sentence
+    decoder.reorder(swap)
+    for (self_attn, source), (self_k, cross_k) in zip(layers, before):  # a sentence's beams share its source
+        assert torch.equal(self_attn.k, self_k[swap]) and source.k is cross_k
+    keep = torch.tensor([2, 3])  # only the second sentence is still searching
+    decoder.reorder(keep, sentences=torch.tensor([1]))
+    for (self_attn, source), (self_k, cross_k) in zip(layers, before):
+        assert torch.equal(self_attn.k, self_k[swap][keep]) and torch.equal(source.k, cross_k[1:2])
+    assert decoder.memory.shape[0] == 1
+
+
+def test_beams_sharing_a_source_row_attend_as_if_it_were_repeated():
+    model = tiny_model(seed=7)
+    src = torch.randint(4, 23, (3, 6))
+    src[2, 4:] = PAD
+    tokens = torch.randint(4, 23, (6, 4))  # two hypotheses of each sentence
+    with torch.no_grad():
+        memory, src_pad = model.encode(src)
+        shared = model.decode(tokens, memory, src_pad)
+        repeated = model.decode(tokens, memory.repeat_interleave(2, 0), src_pad.repeat_interleave(2, 0))
+    torch.testing.assert_close(shared, repeated, atol=1e-5, rtol=1e-5)
+
+
+def _search(model, src, beam, use_cache=True, alpha=0.6, stop="exact"):
+    with torch.no_grad():
+        decoder = ModelSteps(model, src, use_cache=use_cache)
+        lengths = src.ne(PAD).sum(1) + 5
+        return beam_search(decoder, src.size(0), beam, lengths, BOS, EOS, alpha, stop=stop)
+
+
+@pytest.mark.parametrize("stop", STOPS)
+def test_beam_search_with_cache_equals_without(stop, decoding_attention):
+    model = tiny_model(seed=3)
+    src = torch.randint(4, 23, (4, 6))
+    cached = _search(decoding_attention(copy.deepcopy(model)), src, 4, stop=stop)
+    uncached = _search(model, src, 4, use_cache=False, stop=stop)
+    assert [[h.tokens for h in hs] for hs in cached] == [[h.tokens for h in hs] for hs in uncached]
+    for a, b in zip(cached, uncached):
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+
+
+@pytest.mark.parametrize("stop", STOPS)
+def test_batched_beam_search_equals_one_by_one(stop):
+    model = tiny_model(seed=5)
+    sentences = [torch.randint(4, 23, (n,)) for n in (3, 7, 5, 1, 6)]
+    batch = torch.full((len(sentences), 7), PAD)
+    for i, s in enumerate(sentences):
+        batch[i, : len(s)] = s
+    together = _search(model, batch, 4, stop=stop)
+    for s, hyps in zip(sentences, together):
+        alone = _search(model, s[None], 4, stop=stop)[0]
+        assert alone[0].tokens == hyps[0].tokens
+        assert alone[0].score == pytest.approx(hyps[0].score, abs=1e-4)
+
+
+@pytest.mark.parametrize("head_sizes", [{}, {"d_k": 4, "d_v": 12}])
+def test_fused_self_attention_projections_compute_what_the_three_did(head_sizes):
+    model = tiny_model(seed=9)
+    if head_sizes:
+        torch.manual_seed(9)
+        model = Transformer(dataclasses.replace(model.config, **head_sizes), vocab_size=23, pad_id=PAD).eval()
+    fused = copy.deepcopy(model)
+    fuse_self_attention(fused)
+    linears = [m for m in fused.modules() if isinstance(m, torch.nn.Linear)]
+    fuse_self_attention(fused)  # already fused: nothing more to do
+    assert [m for m in fused.modules() if isinstance(m, torch.nn.Linear)] == linears
+    for layer in (*fused.encoder, *fused.decoder):  # one product for the three, of their weights
+        assert isinstance(layer.self_attn.qkv_proj, FusedProjections)
+        assert not any(isinstance(p, torch.nn.Linear) for p in (layer.self_attn.q_proj, layer.self_attn.k_proj))
+    assert isinstance(fused.decoder[0].cross_attn.k_proj, torch.nn.Linear)  # keys from the source: not fusable
+    src = torch.randint(4, 23, (3, 7))
+    src[1, 4:] = PAD
+    tokens = torch.cat([torch.full((3, 1), BOS), torch.randint(4, 23, (3, 5))], dim=1)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(src, tokens), model(src, tokens), atol=1e-5, rtol=1e-5)
+        for unpadded in (False, True):
+            torch.testing.assert_close(fused.encode(src, unpadded)[0], model.encode(src, unpadded)[0],
+                                       atol=1e-5, rtol=1e-5)
+        steps = {}
+        for m in (model, fused):
+            decoder = ModelSteps(m, src)
+            steps[m] = torch.stack([decoder.step(tokens[:, : t + 1]).clone() for t in range(tokens.size(1))], 1)
+        torch.testing.assert_close(steps[fused], steps[model], atol=1e-5, rtol=1e-5)
+    assert [[h.tokens for h in hs] for hs in _search(fused, src, 4)] == \
+        [[h.tokens for h in hs] for hs in _search(model, src, 4)]
+
+
+
+
+def test_the_translator_batches_by_length_and_returns_in_order_what_each_search_finds():
+    model = tiny_model(seed=3)
+    sources = [[5, 6, 7], [], [8] * 9, [9, 4], [6] * 5]
+    translator = Translator(copy.deepcopy(model), "cpu", bos_id=BOS, eos_id=EOS)
+    done = []
+    found = translator.translate_batch(sources, beam_size=3, max_length_extra=4, batch_tokens=12,
+                                       progress=done.append)
+    assert found[1] == [] and sum(done) == len(sources) and len(done) > 2  # the empty line first, then batches
+    for ids, got in zip(sources, found):  # each as the search of it alone finds it
+        if ids:
+            src = torch.tensor([ids + [EOS]])
+            with torch.no_grad():
+                alone = beam_search(ModelSteps(model, src, never=(PAD, BOS)), 1, 3, torch.tensor([len(ids) + 4]),
+                                    BOS, EOS, 0.6, "gnmt", "finished")
+            assert got == alone[0][0].tokens
+    assert Translator(copy.deepcopy(model), "cpu", bos_id=BOS, eos_id=EOS).translate_batch(
+        [[5] * 70], max_length_extra=1)[0] is not None  # longer than the positions (64): cut, not an error
+
+
+def test_precisions_the_loader_takes_are_the_translators():
+    assert typing.get_args(Precision) == PRECISIONS
+    with pytest.raises(ValueError, match="int8 runs on CPUs only, not on meta"):
+        Translator(tiny_model(), "meta", "int8", bos_id=BOS, eos_id=EOS)
+
+
+class ScriptedDecoder:
+    """Next-token log-probabilities that depend only on the last token, from a fixed table."""
+
+    def __init__(self, table: dict[int, dict[int, float]], vocab: int = 6) -> None:
+        self.rows = {}
+        for prev, probs in table.items():
+            row = torch.full((vocab,), float("-inf"))
+            for tok, p in probs.items():
+                row[tok] = math.log(p)
+            self.rows[prev] = row
+
+    def step(self, tokens):  # a prefix the table does not know (kept at -inf by the search) can only end
+        dead = torch.full_like(self.rows[BOS], float("-inf")).index_fill_(0, torch.tensor([EOS]), 0.0)
+        return torch.stack([self.rows.get(int(t), dead) for t in tokens[:, -1]])
+
+    def reorder(self, order, sentences):
+        pass
+
+
+@pytest.mark.parametrize("formula, penalty", [("gnmt", lambda n, a: ((5 + n) / 6) ** a), ("power", lambda n, a: n**a)])
+def test_length_penalty_decides_between_short_and_long(formula, penalty):
+    # After BOS: EOS at once (p=.45), token 4 (p=.35) or 5 (p=.2); after 4: 5 (p=1); after 5: EOS (p=1).
+    decoder = ScriptedDecoder({BOS: {EOS: 0.45, 4: 0.35, 5: 0.2}, 4: {5: 1.0}, 5: {EOS: 1.0}})
+    winners = {}
+    for alpha in (0.0, 0.6, 1.0):
+        hyps = beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, alpha, formula)[0]
+        by_tokens = {tuple(h.tokens): h for h in hyps}
+        short, long = by_tokens[()], by_tokens[(4, 5)]
+        assert short.score == pytest.approx(math.log(0.45) / penalty(1, alpha))  # EOS first: |Y| = 1
+        assert long.score == pytest.approx(math.log(0.35) / penalty(3, alpha))
+        winners[alpha] = hyps[0].tokens
+    # log .45 / lp(1) against log .35 / lp(3): the short one wins without a penalty, the long one with alpha 1;
+    # at 0.6 the GNMT penalty is too mild to turn it, |Y|^0.6 is not
+    assert winners == {0.0: [], 0.6: [] if formula == "gnmt" else [4, 5], 1.0: [4, 5]}
+
+
+def test_maximum_length_forces_the_end():
+    decoder = ScriptedDecoder({BOS: {4: 0.9, EOS: 0.1}, 4: {4: 0.9, EOS: 0.1}})
+    best = beam_search(decoder, 1, 1, torch.tensor([3]), BOS, EOS, 0.6)[0][0]
+    assert best.tokens == [4, 4]  # two tokens, then EOS as the third and last
+
+
+def test_search_does_not_stop_before_a_better_hypothesis_can_finish():
+    # Two weak hypotheses end first ([] at step 1, [5] at step 2); the best, [4, 6], ends at step 3.
+    decoder = ScriptedDecoder({BOS: {4: 0.5, EOS: 0.3, 5: 0.2}, 4: {6: 0.99, EOS: 0.01}, 5: {EOS: 1.0},
+                               6: {EOS: 0.9, 4: 0.1}}, vocab=8)
+    for alpha in (0.0, 0.6):
+        best = beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, alpha)[0][0]
+        assert best.tokens == [4, 6]
+        assert best.log_prob == pytest.approx(math.log(0.5 * 0.99 * 0.9))
+
+
+def test_the_finished_rule_stops_once_beam_size_hypotheses_ended():
+    # As above: [] ends at step 1 and [5] at step 2, so with beam 2 "finished" stops there, before the
+    # better [4, 6] can end at step 3; "exact" waits for it.
+    decoder = ScriptedDecoder({BOS: {4: 0.5, EOS: 0.3, 5: 0.2}, 4: {6: 0.99, EOS: 0.01}, 5: {EOS: 1.0},
+                               6: {EOS: 0.9, 4: 0.1}}, vocab=8)
+    found = beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, 0.0, stop="finished")[0]
+    assert [h.tokens for h in found] == [[], [5]]
+    assert beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, 0.0, stop="exact")[0][0].tokens == [4, 6]
+    with pytest.raises(ValueError, match="stop must be one of"):
+        beam_search(decoder, 1, 2, torch.tensor([10]), BOS, EOS, 0.0, stop="early")
+
+
+@pytest.mark.parametrize("vocab", [8000, 37000, 8008, 23])  # chunks of 64, 200 and 104 tokens; 23: a full top-k
+def test_the_cpus_best_candidates_are_the_full_top_k_over_beams_and_vocabulary(vocab):
+    torch.manual_seed(0)
+    B, beams, k = 5, 4, 8
+    lprobs = torch.log_softmax(torch.randn(B, beams, vocab) * 4, dim=-1)
+    lprobs[0, :, 1:] = float("-inf")  # a sentence at its length limit: one candidate per beam
+    lprobs[1, 2] = -1e-3  # a row of equal sums: any of them is a right answer
+    lprobs[2, :, -1] = 0.0  # the best candidates in the last chunk of every beam
+    scores = torch.randn(B, beams) * 3
+    full = (lprobs + scores.unsqueeze(-1)).view(B, -1)
+    expected = full.topk(k, dim=1).values
+    top, beam, token = cpu.best_candidates(lprobs.clone(), scores, k)
+    assert torch.equal(top, expected)
+    assert torch.equal(full.gather(1, beam * vocab + token), top)  # each (beam, token) has the sum reported
+    for b in range(B):  # no candidate twice, unless both are -inf (more asked for than there are)
+        finite = top[b] > float("-inf")
+        pairs = set(zip(beam[b][finite].tolist(), token[b][finite].tolist(), strict=True))
+        assert len(pairs) == int(finite.sum())
+
+
+
+
+# -- the CPU backend on the model trained on real text ------------------------------------------
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_decoding_on_cpus_makes_nothing_on_torchs_default_device(averaged, vocab_dir, cleaned, precision):
+    # A default device set elsewhere (a notebook's set_default_device("cuda"), TEST_DEVICE=cuda) must not
+    # leak in: on "meta" any tensor made there has no data, and mixing it with the CPU's raises.
+    lines, sp = list(read_lines(cleaned[0] / "dev.en"))[:8], vocab.load(vocab_dir)
+    params = DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
+                                 max_length_extra=3, batch_tokens=100)
+    expected = decode.translate(decode.load_translator(averaged[0], torch.device("cpu"), precision), sp, lines, params)
+    with torch.device("meta"):
+        model = decode.load_translator(averaged[0], torch.device("cpu"), precision)
+        assert decode.translate(model, sp, lines, params) == expected
+
+
+def test_translate_leaves_the_cycle_collector_as_it_found_it(averaged, vocab_dir, monkeypatch):
+    model, sp = decode.load_translator(averaged[0], torch.device("cpu")), vocab.load(vocab_dir)
+    params = DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
+                                 max_length_extra=2, batch_tokens=100)
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            decode.translate(model, sp, ["a dog runs"], params)
+            assert gc.isenabled() is enabled
+
+        def fails(*args, **kwargs):
+            assert not gc.isenabled()  # off while searching
+            raise RuntimeError("the search failed")
+
+        gc.enable()
+        monkeypatch.setattr(translator_module, "beam_search", fails)
+        with pytest.raises(RuntimeError, match="the search failed"):
+            decode.translate(model, sp, ["a dog runs"], params)
+        assert gc.isenabled()  # back on after the failure too
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+@pytest.fixture
+def on_cpu():
+    """For tests of the CPU's own paths: the tensors they make go to the CPU whatever TEST_DEVICE says."""
+    with torch.device("cpu"):
+        yield
+
+
+def test_fp32_on_cpus_runs_every_product_on_packed_weights_as_the_plain_model(averaged, on_cpu):
+    plain = decode.read_transformer(averaged[0]).eval()
+    packed = decode.load_translator(averaged[0], torch.device("cpu")).model
+    assert isinstance(packed.output, cpu.PackedOutput)
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    layers = [m for stack in (packed.encoder, packed.decoder) for m in stack.modules()
+              if isinstance(m, cpu.PackedLinear)]
+    # self-attention's fused q, k and v and its output, the feed-forward's two; cross-attention's four
+    assert len(layers) == 4 * plain.config.encoder_layers + 8 * plain.config.decoder_layers
+    first, second = packed.decoder[0].ffn.net
+    assert (first.activation, second.activation) == ("relu", "none")  # the ReLU in the first product
+    for rows in (4, 1000):  # a step of one sentence, a step of a large batch
+        x = torch.randn(rows, 1, plain.config.d_model)
+        with torch.inference_mode():
+            torch.testing.assert_close(packed.decoder[0].ffn(x), plain.decoder[0].ffn(x), rtol=1e-5, atol=1e-5)
+    src, tgt = torch.randint(4, plain.vocab_size, (3, 9)), torch.randint(4, plain.vocab_size, (3, 6))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(src, tgt), plain(src, tgt), rtol=1e-5, atol=1e-5)
+        # logits larger than the heap's blocks go into a buffer kept from step to step, the same numbers
+        rows = cpu.HEAP_BLOCK_LIMIT // (4 * plain.vocab_size) + 1
+        x = torch.randn(rows, 1, plain.config.d_model)
+        expected = torch.nn.functional.linear(x, plain.embed.weight)
+        large = packed.output(x)
+        torch.testing.assert_close(large, expected, rtol=1e-5, atol=1e-5)
+        assert packed.output(x).data_ptr() == large.data_ptr()  # the same buffer, again
+        small = packed.output(x[:8])  # through oneDNN, into a tensor of its own
+        assert small.data_ptr() != large.data_ptr()
+        torch.testing.assert_close(small, expected[:8], rtol=1e-5, atol=1e-5)
+
+
+def test_int8_model_runs_every_product_in_int8_close_to_fp32(averaged, on_cpu):
+    fp32 = decode.load_translator(averaged[0], torch.device("cpu")).model
+    int8 = decode.load_translator(averaged[0], torch.device("cpu"), "int8").model
+    assert not any(isinstance(m, torch.nn.Linear) for m in int8.modules())
+    assert isinstance(int8.output, cpu.Int8Linear)
+    src, tgt = torch.randint(4, fp32.vocab_size, (3, 9)), torch.randint(4, fp32.vocab_size, (3, 6))
+    with torch.inference_mode():
+        exact, approx = fp32(src, tgt), int8(src, tgt)
+    error = float((exact - approx).abs().max() / exact.abs().max())
+    assert 0 < error < 0.05, error  # quantized (not fp32 under another name), and no product far off
+
+
+FREED_BYTES_KEPT = """
+import ctypes, sys, torch
+from stages import decode, vocab
+from stages.io import read_lines
+from stages.params import DecodeParams, Precision
+if sys.argv[1] == "decoded":  # a line translated on the CPU first, as the decode stage does
+    params = DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="exact",
+                                 max_length_extra=5, batch_tokens=100)
+    decode.translate(decode.load_translator(sys.argv[2], torch.device("cpu")), vocab.load(sys.argv[3]), ["a dog"],
+                     params)
+x = torch.ones(4 << 20)  # 16 MB: by glibc's default a block of its own, mapped from the OS and unmapped at free
+del x
+libc = ctypes.CDLL("libc.so.6")
+new = hasattr(libc, "mallinfo2")  # glibc 2.33 on; before it mallinfo, the same fields in ints
+class MallInfo(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t if new else ctypes.c_int)
+                for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+mallinfo = libc.mallinfo2 if new else libc.mallinfo
+mallinfo.restype = MallInfo
+print(mallinfo().fordblks)
+"""
+
+
+def test_decoding_on_cpus_keeps_freed_memory_for_the_next_step(averaged, vocab_dir):
+    """After the decode stage has run on the CPU, freed blocks stay in glibc's heap for the next step's
+    tensors instead of going back to the OS (cpu.keep_freed_memory), which they do by default."""
+    import ctypes
+    import subprocess
+    import sys
+
+    try:
+        ctypes.CDLL("libc.so.6").mallinfo
+    except (OSError, AttributeError):
+        pytest.skip("no glibc here, where keep_freed_memory does nothing (the setting and its statistics are glibc's)")
+    kept = {how: int(subprocess.run([sys.executable, "-c", FREED_BYTES_KEPT, how, str(averaged[0]), str(vocab_dir)],
+                                    capture_output=True, text=True, check=True).stdout)
+            for how in ("default", "decoded")}
+    assert kept["default"] < 16 << 20 <= kept["decoded"], kept

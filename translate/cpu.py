@@ -1,0 +1,204 @@
+"""Decoding on CPUs: fp32 on oneDNN's packed weights, or int8 on fbgemm's; attention and the beam's
+candidate selection as they run fastest there; glibc told to keep freed memory. Each a transform of
+the trained model; `prepare` applies those of a precision. `python -m bench.cpu_decoding` measures each
+against PyTorch's own way, alone and in decoding, and `python -m bench.decode` the whole against
+CTranslate2."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from translate.beam_search import Select, top_k
+from translate.transforms import fuse_self_attention, replace_modules, swap_class
+from transformer.attention import MultiHeadAttention
+from transformer.layers import FeedForward
+from transformer.model import Transformer
+
+HEAP_BLOCK_LIMIT = 32 << 20  # bytes: the largest block glibc can be told to serve from its heap
+
+
+@functools.cache  # once a process: finding the C library runs ldconfig
+def keep_freed_memory() -> None:
+    """Make glibc serve blocks up to HEAP_BLOCK_LIMIT from its heap and keep what is freed there,
+    instead of mapping fresh pages from the OS (each zeroed by the kernel on first touch) and returning
+    them at each free: beam search allocates and frees tensors of a few MB every step. The process
+    keeps its peak memory instead. No-op without glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is not None:
+        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+        mallopt(m_mmap_threshold, HEAP_BLOCK_LIMIT)
+        mallopt(m_trim_threshold, 1 << 30)
+
+
+class PackedLinear(nn.Module):
+    """x W^T + b through oneDNN, with W reordered once into the blocked layout its kernels read and,
+    for the feed-forward's first product, the ReLU applied in the same call. MKL's sgemm, behind
+    nn.Linear, packs W anew at every call and leaves the ReLU to a pass of its own
+    (`python -m bench.cpu_decoding`: linear layers)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, relu: bool = False) -> None:
+        super().__init__()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
+        self.bias = None if bias is None else bias.detach().float()
+        self.activation = "relu" if relu else "none"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, self.activation, [], "")
+
+
+class PackedOutput(nn.Module):
+    """The pre-softmax projection for fp32 decoding: through oneDNN on packed weights (PackedLinear)
+    while the logits fit in a block glibc serves from its heap (keep_freed_memory); above that, MKL
+    writes them into a buffer kept from step to step, where a fresh tensor would be new pages from the
+    OS at every step (`python -m bench.cpu_decoding`: the pre-softmax projection). The logits it
+    returns are that buffer when they are large: the next call overwrites them, as decoding allows."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.weight = weight.detach()
+        self.packed = PackedLinear(weight, None) if torch.backends.mkldnn.is_available() else None
+        self.buffer: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., d_model) -> logits (..., vocab)."""
+        shape = (*x.shape[:-1], self.weight.size(0))
+        size = x[..., 0].numel() * self.weight.size(0)
+        if self.packed is not None and size * self.weight.element_size() <= HEAP_BLOCK_LIMIT:
+            return self.packed(x)
+        if self.buffer is None or self.buffer.numel() < size:
+            self.buffer = self.weight.new_empty(size)
+        return torch.matmul(x, self.weight.t(), out=self.buffer[:size].view(shape))
+
+
+class Int8Linear(nn.Module):
+    """x W^T + b with W in int8, one scale per output row, and x quantized at each call (fbgemm's
+    dynamic int8 product; CTranslate2's int8 scales x per row, fbgemm per product, so a sentence's
+    translation can depend a little on the others in its batch). torch deprecates the quantized
+    tensors this needs (a future release drops them); the int8 tests fail when it does."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        weight = weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12).double() / 127
+        zero = torch.zeros_like(scales, dtype=torch.long)
+        with warnings.catch_warnings():  # the deprecation above, once per process: not the user's to act on
+            warnings.simplefilter("ignore", UserWarning)
+            q = torch.quantize_per_channel(weight, scales, zero, 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
+
+    def forward(self, x: Tensor) -> Tensor:
+        # 7-bit inputs: without VNNI, x86's 8-bit product sums pairs in 16 bits, which could overflow.
+        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
+
+
+def fused_attention_is_faster(queries: int, per_matrix: int, keys: int) -> bool:
+    """Whether a decoding step attends faster with the fused kernel than with two batched products:
+    `queries` in all (rows x heads), `per_matrix` of them to each set of `keys` (1 in self-attention,
+    where each row has its own keys; the beams in attention to the source, which they share). The
+    fused kernel's one call wins at few queries; the products win above, except in self-attention
+    against fewer than 8 keys, which MKL's batched product runs slowly (`python -m bench.cpu_decoding`:
+    attention)."""
+    return queries <= 128 or (per_matrix == 1 and keys < 8)
+
+
+def attend_by_products(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """softmax(q k^T / sqrt(d_k)) v as two batched products (no causal mask, no dropout: decoding's)."""
+    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (B, n_heads, Tq, Tk)
+    if key_padding_mask is not None:
+        scores.masked_fill_(key_padding_mask[:, None, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+class DecodingAttention(MultiHeadAttention):
+    """A decoder's attention, for decoding on CPUs: where fused_attention_is_faster says so, two
+    batched products (attend_by_products) instead of scaled_dot_product_attention."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool) -> Tensor:
+        if causal or self.training or fused_attention_is_faster(q.numel() // q.size(-1), q.size(2), k.size(2)):
+            return super().attend(q, k, v, key_padding_mask, causal)
+        return attend_by_products(q, k, v, key_padding_mask)
+
+
+def _chunk_size(vocab: int) -> int | None:
+    """64 tokens where that divides `vocab`, else the largest multiple of 8 (AVX2's float lanes) from 32
+    to 256 that does, if any: the chunks' maxima cost the most, and torch's row maximum is fastest at
+    64 floats (`python -m bench.cpu_decoding`: selection)."""
+    if vocab % 64 == 0:
+        return 64
+    return next((c for c in range(256, 31, -8) if vocab % c == 0), None)
+
+
+def best_candidates(lprobs: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """What top_k returns, found faster on CPUs: a full top-k over beams x vocabulary sums runs at a
+    fraction of memory speed there (torch sorts each row's candidates with their indices). So each row
+    is cut into chunks of c tokens, the chunks ranked by their best sum (one vectorised pass) and only
+    the k best chunks searched: each of the k best sums lies in a chunk whose best is at least that
+    sum, and fewer than k chunks have a better best (between equal sums either may be chosen, as in a
+    full top-k)."""
+    B, beams, vocab = lprobs.shape
+    c = _chunk_size(vocab)
+    if c is None or beams * vocab // c < k:
+        return top_k(lprobs, scores, k)
+    chunk_best = lprobs.view(B, beams, vocab // c, c).amax(-1).add_(scores.unsqueeze(-1))  # (B, beams, vocab / c)
+    chunks = chunk_best.view(B, -1).topk(k, dim=1).indices  # (B, k), numbered across the beams
+    index = (chunks.unsqueeze(-1) * c + torch.arange(c, device=lprobs.device)).view(B, k * c)  # into beams x vocab
+    sums = lprobs.view(B, beams * vocab).gather(1, index).add_(scores.gather(1, index // vocab))
+    top, j = sums.topk(k, dim=1)
+    index = index.gather(1, j)
+    return top, index // vocab, index % vocab
+
+
+def pack_output(model: Transformer) -> None:
+    """The output projection (fp32) as a PackedOutput, in place."""
+    model.output = PackedOutput(model.embed.weight)
+
+
+def pack_linear_layers(model: Transformer) -> None:
+    """Every linear layer but the output projection (fp32) as a PackedLinear, in place, each
+    feed-forward's ReLU fused into its first product. The packed weights replace the plain ones."""
+    for module in model.modules():
+        if isinstance(module, FeedForward):
+            first, relu, second = module.net
+            assert isinstance(first, nn.Linear) and isinstance(relu, nn.ReLU) and isinstance(second, nn.Linear)
+            module.net = nn.Sequential(PackedLinear(first.weight, first.bias, relu=True),
+                                       PackedLinear(second.weight, second.bias))
+    replace_modules(model.encoder, nn.Linear, lambda linear: PackedLinear(linear.weight, linear.bias))
+    replace_modules(model.decoder, nn.Linear, lambda linear: PackedLinear(linear.weight, linear.bias))
+
+
+def quantize_int8(model: Transformer) -> None:
+    """Every linear layer and the output projection in int8 (Int8Linear), in place."""
+    replace_modules(model, nn.Linear, lambda linear: Int8Linear(linear.weight, linear.bias))
+
+
+def attend_for_decoding(model: Transformer) -> None:
+    """The decoder's attention as DecodingAttention; the encoder's, which attends once a batch, as it is."""
+    for module in model.decoder.modules():
+        if type(module) is MultiHeadAttention:
+            swap_class(module, DecodingAttention)
+
+
+def prepare(model: Transformer, precision: str) -> Select:
+    """Apply the CPU's transforms for `precision` to `model` (fp32, on the CPU); return the beam's
+    candidate selection to use with it."""
+    keep_freed_memory()
+    fuse_self_attention(model)
+    attend_for_decoding(model)
+    if precision == "int8":
+        quantize_int8(model)
+    elif precision == "fp32":
+        pack_output(model)
+        if torch.backends.mkldnn.is_available():
+            pack_linear_layers(model)
+    else:
+        model.to(dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
+    return best_candidates
