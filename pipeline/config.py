@@ -95,7 +95,13 @@ def _convert(tp: Any, value: Any, key: str, src: _Source) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        return _convert(next(a for a in args if a is not type(None)), value, key, src)
+        options = [a for a in args if a is not type(None)]
+        for option in options:  # the first kind the value is of
+            try:
+                return _convert(option, value, key, src)
+            except ConfigError:
+                continue
+        raise src.error(key, f"expected {' or '.join(map(_kind, options))}, got {value!r}")
     if tp is bool:
         if not isinstance(value, bool):
             raise src.error(key, f"expected true or false, got {value!r}")
@@ -113,6 +119,13 @@ def _convert(tp: Any, value: Any, key: str, src: _Source) -> Any:
             raise src.error(key, f"expected a string, got {value!r}")
         return value
     raise TypeError(f"{key}: unsupported parameter type {tp}")
+
+
+def _kind(tp: Any) -> str:
+    """What a value of type `tp` is called in an error."""
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(map(repr, typing.get_args(tp)))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str, src: _Source) -> Any:

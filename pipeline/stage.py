@@ -8,6 +8,10 @@ keyword parameters annotated InputPath (read) or OutputPath (written). The comma
 from that signature alone. dvc.yaml declares the same for DVC; tests/test_contracts.py checks that
 the two agree and that each stage's code dependencies in dvc.yaml are the files it imports.
 
+A stage module may also say how many processes its command runs on (`workers`: the train stage's
+train.processes); with more than one, the command starts that many workers of itself through torch's
+elastic launcher (pipeline/launch.py) and ends with their outcome.
+
 Here a stage's params are loaded (all of params.yaml, so any bad value stops it before it works),
 its run is tracked in MLflow (parameters of its sections, md5s of its inputs, its metrics and chosen
 outputs as artifacts), and its metrics are written as JSON.
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline import config, tracking
+from pipeline import config, launch, tracking
 from pipeline.config import Params
 from stages.io import EXIT_STOPPED, InputPath, OutputPath, PipelineError, Stopped, file_digest, write_json
 
@@ -50,6 +54,7 @@ class Contract:
     outputs: tuple[str, ...]  # path parameters it writes
     takes_log: bool  # run(log=...) takes a metrics logger
     source_digest: Callable[..., str] | None  # identifies inputs named by params rather than paths
+    workers: Callable[..., int] | None  # the processes its command runs on, if it may run on several
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -80,7 +85,7 @@ def contract(name: str) -> Contract:
         elif arg.default is inspect.Parameter.empty:
             raise TypeError(f"stages.{name}.run: parameter {arg.name} is neither a params section nor a path")
     return Contract(name, run, tuple(sections), tuple(inputs), tuple(outputs), takes_log,
-                    getattr(module, "source_digest", None))
+                    getattr(module, "source_digest", None), getattr(module, "workers", None))
 
 
 def run_stage(name: str, paths: dict[str, Path], metrics_path: Path | None,
@@ -133,7 +138,14 @@ def main(argv: list[str], prog: str = "python -m pipeline.stage") -> int:
             raise PipelineError(f"usage: {prog} <stage> --<path> PATH ... (`python -m pipeline --help` lists them)")
         c = contract(argv[0])
         args = parser(c, f"{prog} {c.name}").parse_args(argv[1:])
-        run_stage(c.name, {k: getattr(args, k) for k in c.paths}, args.metrics, args.params)
+        paths = {k: getattr(args, k) for k in c.paths}
+        if launch.is_worker():
+            launch.follow_launcher()
+        elif c.workers is not None:  # on several processes, each a worker running this command
+            params = config.load_params(args.params)
+            if (n := c.workers(*(getattr(params, s) for s in c.sections), **paths)) > 1:
+                return launch.run_workers(n, argv)
+        run_stage(c.name, paths, args.metrics, args.params)
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol
 
 from stages.io import PipelineError
 from stages.model_files import Checkpoint, ModelMeta, checkpoint_path, list_checkpoints, make_current, \
-    read_checkpoint, remove_unfinished, write_checkpoint
+    read_checkpoint, read_setup, remove_unfinished, write_checkpoint
 
 SPLIT = "micro_batches_per_step"  # in the fingerprint beside the identity: what the topology part checks
 
@@ -65,6 +65,12 @@ class Schedule:
 def setup_dir(root: str | Path, identity: dict[str, Any]) -> Path:
     """The folder of a run's checkpoints, named by a hash of what identifies the run."""
     return Path(root) / hashlib.md5(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def recorded_split(folder: Path) -> int | None:
+    """The micro-batches a step of the run in `folder`, if it has a checkpoint to resume from."""
+    setup = read_setup(folder) if list_checkpoints(folder, snapshots=True) else None
+    return setup.get(SPLIT) if setup else None
 
 
 def prune(directory: Path, keep: int) -> None:
@@ -138,7 +144,6 @@ class Checkpointer:
         process must find the same one: on several nodes the folder is one that all of them read."""
         p = self.processes
         if p.is_main:
-            make_current(self.folder.parent, self.folder, self.identity)
             for stale in remove_unfinished(self.folder):
                 p.say(f"removed {stale}, left by a save that was cut short")
         p.say(f"checkpoints of this setup: {self.folder}")
@@ -149,6 +154,7 @@ class Checkpointer:
             raise PipelineError(f"the processes found different checkpoints in {self.folder} (steps {steps}, by "
                                 f"process): on several nodes it must be one folder all read, on a shared filesystem")
         if p.is_main:
+            make_current(self.folder.parent, self.folder, self.fingerprint)  # the run, and its split
             for path in damaged:
                 aside = path.with_name(path.name + ".damaged")
                 os.replace(path, aside)

@@ -7,10 +7,27 @@ from __future__ import annotations
 
 import torch
 
+from stages.io import PipelineError
+
 
 def default_device() -> torch.device:
     """The GPU when there is one, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def processes(setting: int | str) -> int:
+    """train.processes as a number: auto is every GPU this process sees (CUDA_VISIBLE_DEVICES says
+    which), or one without a GPU; more than the GPUs seen is refused, naming them. On CPUs any number
+    trains (gloo), each process on its share of the cores."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if setting == "auto":
+        return max(gpus, 1)
+    assert isinstance(setting, int)
+    if gpus and setting > gpus:
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus))
+        raise PipelineError(f"train.processes is {setting}, but {gpus} GPU{'s' if gpus > 1 else ''} can be seen "
+                            f"({names}): set it to at most {gpus}, or auto")
+    return setting
 
 
 def use_fast_attention() -> None:

@@ -75,9 +75,16 @@ CURRENT = "current.json"
 
 
 def make_current(root: str | Path, folder: Path, setup: dict[str, Any]) -> None:
-    """Record `folder` as the setup being trained, and what that setup is (its setup.json)."""
+    """Record `folder` as the setup being trained, and what that setup is (its setup.json, which the
+    checkpoint component reads back with `read_setup`)."""
     write_json(folder / "setup.json", setup)
     write_json(Path(root) / CURRENT, {"setup": folder.name})
+
+
+def read_setup(folder: Path) -> dict[str, Any] | None:
+    """A setup folder's setup.json, if it has one."""
+    path = folder / "setup.json"
+    return read_json(path) if path.is_file() else None
 
 
 def current_dir(root: str | Path) -> Path:

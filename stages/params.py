@@ -118,7 +118,8 @@ class VocabParams:
 class TrainParams:
     max_steps: int
     batch_tokens: int  # per side per optimizer step, over all processes and accumulation steps
-    grad_accum: int  # micro-batches per optimizer step on each process
+    processes: int | Literal["auto"]  # that train; auto: one per GPU the stage sees, or one on a CPU
+    micro_batches: int | Literal["auto"]  # a step's, over all processes; auto: the run's own, or one a process
     warmup_steps: int
     lr_scale: float  # times the paper's rate; 1: the paper. Smaller batches want less: see params.yaml
     adam_betas: tuple[float, float]
@@ -135,8 +136,16 @@ class TrainParams:
     keep_checkpoints: int  # of the step-spaced checkpoints; snapshots are kept only until the next save
 
     def __post_init__(self) -> None:
-        for key in ("batch_tokens", "grad_accum", "warmup_steps", "log_every", "validate_every", "keep_checkpoints"):
+        for key in ("batch_tokens", "warmup_steps", "log_every", "validate_every", "keep_checkpoints"):
             check(getattr(self, key) >= 1, key, f"must be at least 1, not {getattr(self, key)}")
+        for key in ("processes", "micro_batches"):
+            value = getattr(self, key)
+            check(value == "auto" or (isinstance(value, int) and value >= 1), key,
+                  f"must be auto or at least 1, not {value!r}")
+        if isinstance(self.processes, int) and isinstance(self.micro_batches, int):
+            check(self.micro_batches % self.processes == 0, "micro_batches",
+                  f"{self.micro_batches} micro-batches a step cannot be shared by {self.processes} processes: "
+                  f"set it to a multiple of train.processes, or auto")
         for key in ("max_steps", "seed", "checkpoint_every_steps", "checkpoint_every_minutes", "clip_norm"):
             check(getattr(self, key) >= 0, key, f"must be 0 or more, not {getattr(self, key)}")
         check(all(0 <= b < 1 for b in self.adam_betas), "adam_betas", f"must be in [0, 1), not {self.adam_betas}")

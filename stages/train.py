@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from stages import vocab
 from stages.batching import collate, token_batches
-from stages.checkpoint import Checkpointer, Processes, Schedule, Stateful
-from stages.devices import default_device, mixed_precision, peak_flops, use_fast_attention
+from stages.checkpoint import Checkpointer, Processes, Schedule, Stateful, recorded_split, setup_dir
+from stages.devices import default_device, mixed_precision, peak_flops, processes, use_fast_attention
 from stages.encode import ParallelIds
 from stages.io import InputPath, OutputPath, PipelineError, Stopped, file_digest, require_dir
 from stages.model_files import ModelMeta, read_model
@@ -44,9 +44,33 @@ MetricsLogger = Callable[[dict[str, float], int], None]
 
 
 # Train parameters that may change between a run and its resumption: they do not alter the updates.
-# grad_accum may change with the number of processes, their product (micro-batches a step) kept.
+# The processes may change, the micro-batches a step kept (the checkpoints' topology checks it).
 RESUMABLE_CHANGES = {"max_steps", "log_every", "validate_every", "checkpoint_every_steps",
-                     "checkpoint_every_minutes", "keep_checkpoints", "compile", "grad_accum"}
+                     "checkpoint_every_minutes", "keep_checkpoints", "compile", "processes", "micro_batches"}
+
+
+def run_identity(model_config: TransformerConfig, params: TrainParams, encoded_dir: Path, vocab_dir: Path,
+                 init_weights: Path | None) -> dict[str, Any]:
+    """What identifies a run: what it trains (model, data, vocabulary, starting weights) and how (the
+    training parameters that alter the updates); a change starts a run of its own."""
+    return {"model": asdict(model_config),
+            "train": {k: v for k, v in asdict(params).items() if k not in RESUMABLE_CHANGES},
+            "vocab": vocab.identity(vocab_dir),
+            "data": file_digest(*sorted(Path(encoded_dir).glob("train.*.npy"))),
+            **({"init": file_digest(init_weights)} if init_weights is not None else {})}
+
+
+def micro_batches(setting: int | str, processes: int, recorded: int | None = None) -> int:
+    """train.micro_batches as a number for `processes`: auto is the run's own when it resumes
+    (`recorded`), else one a process. Refused, before any work, where the processes cannot share it."""
+    n = setting if isinstance(setting, int) else (recorded or processes)
+    if n % processes:
+        fix = (f"train.micro_batches to a multiple of {processes}" if isinstance(setting, int) or recorded is None
+               else "train.micro_batches to another number to start a run of its own")
+        owner = "train.micro_batches is" if isinstance(setting, int) else "the run to resume takes"
+        raise PipelineError(f"{owner} {n} micro-batches a step, which {processes} processes cannot share: set "
+                            f"train.processes to a divisor of {n}, or {fix}")
+    return n
 
 
 @dataclass(frozen=True)
@@ -63,15 +87,19 @@ class Trainer:
     (step, cost, curves) is a checkpoint part of its own: the Trainer is Stateful."""
 
     def __init__(self, model_config: TransformerConfig, params: TrainParams, *, encoded_dir: Path,
-                 vocab_dir: Path, accelerator: Accelerator, init_weights: Path | None = None) -> None:
+                 vocab_dir: Path, accelerator: Accelerator, init_weights: Path | None = None,
+                 split: int | None = None, identity: dict[str, Any] | None = None) -> None:
+        """`split`: the micro-batches a step (train.micro_batches resolved; by default as for a new run);
+        `identity`: run_identity's, if already known."""
         self.params, self.acc = params, accelerator
         set_seed(params.seed)
         world, rank = accelerator.num_processes, accelerator.process_index
+        self.grad_accum = (split or micro_batches(params.micro_batches, world)) // world
         corpus, self.dev = ParallelIds(encoded_dir, "train"), ParallelIds(encoded_dir, "dev")
         if len(corpus) == 0:
             raise PipelineError(f"{encoded_dir}: the training set is empty")
         self.sampler, self.micro_tokens, self.dropped = training_sampler(
-            corpus, params.batch_tokens, params.grad_accum, params.seed, world, rank, model_config.max_positions)
+            corpus, params.batch_tokens, self.grad_accum, params.seed, world, rank, model_config.max_positions)
         dev_batches, _ = token_batches(self.dev.src_lengths, self.dev.tgt_lengths, self.micro_tokens, None,
                                        within_positions(self.dev, model_config.max_positions))
         self.dev_batches = dev_batches[rank::world]
@@ -84,7 +112,7 @@ class Trainer:
         on_gpu = accelerator.device.type == "cuda"
         if on_gpu:
             use_fast_attention()
-        self.inputs = StepInputs(corpus, model_config, model.vocab_size, params.grad_accum, rank,
+        self.inputs = StepInputs(corpus, model_config, model.vocab_size, self.grad_accum, rank,
                                  pad_multiple=8 if on_gpu else 1, pin=on_gpu)
         self.stream: StepStream | None = None  # started at the first step, after any resume
         self.peak = peak_flops(accelerator.device, accelerator.mixed_precision)
@@ -97,22 +125,14 @@ class Trainer:
         if params.compile:  # after DDP wraps it, as torch recommends; lengths vary every step: dynamic shapes
             self.model = torch.compile(self.model, dynamic=True)
         self.progress = Progress()
-        # What identifies the run: what it trains (model, data, vocabulary, starting weights) and how
-        # (the training parameters that alter the updates); a change starts a run of its own.
-        self.identity = {
-            "model": asdict(model_config),
-            "train": {k: v for k, v in asdict(params).items() if k not in RESUMABLE_CHANGES},
-            "vocab": vocab.identity(vocab_dir),
-            "data": file_digest(*sorted(Path(encoded_dir).glob("train.*.npy"))),
-            **({"init": file_digest(init_weights)} if init_weights is not None else {}),
-        }
+        self.identity = identity or run_identity(model_config, params, encoded_dir, vocab_dir, init_weights)
 
     @property
     def parts(self) -> dict[str, Stateful]:
         """The training state a checkpoint holds, by name; the step's split first, which the sampler's
         place depends on."""
         acc = self.acc
-        return {"topology": Topology(acc.num_processes, self.params.grad_accum, acc.print),
+        return {"topology": Topology(acc.num_processes, self.grad_accum, acc.print),
                 "model": ModelState(lambda: acc.unwrap_model(self.model, keep_torch_compile=False)),
                 "optimizer": OptimizerState(self.optimizer), "scheduler": SchedulerState(self.scheduler),
                 "sampler": self.sampler, "progress": self,
@@ -216,12 +236,26 @@ def _start_from(model: Transformer, path: Path) -> None:
     model.load_state_dict(weights)
 
 
+def _split(params: TrainParams, processes: int, identity: dict[str, Any], checkpoint_dir: str | Path) -> int:
+    return micro_batches(params.micro_batches, processes, recorded_split(setup_dir(checkpoint_dir, identity)))
+
+
+def workers(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: InputPath, vocab_dir: InputPath,
+            checkpoint_dir: OutputPath, **paths: Any) -> int:
+    """The processes the stage's command trains on (train.processes), each a worker the command starts;
+    where they cannot share the run's micro-batches, refused before any starts."""
+    n = processes(params.processes)
+    if n > 1:
+        _split(params, n, run_identity(model_config, params, Path(encoded_dir), Path(vocab_dir), None), checkpoint_dir)
+    return n
+
+
 def checkpointer(trainer: Trainer, checkpoint_dir: str | Path) -> Checkpointer:
     """The run's checkpoints, in its setup's folder of `checkpoint_dir`: a run of another setup keeps
     its own, and going back to it goes on there."""
     p, acc = trainer.params, trainer.acc
     return Checkpointer(
-        checkpoint_dir, trainer.identity, acc.num_processes * p.grad_accum, trainer.parts,
+        checkpoint_dir, trainer.identity, acc.num_processes * trainer.grad_accum, trainer.parts,
         Schedule(p.checkpoint_every_steps, p.checkpoint_every_minutes, p.keep_checkpoints, p.max_steps), trainer.meta,
         Processes(acc.is_main_process, acc.print, acc.wait_for_everyone, lambda value: gather_object([value])))
 
@@ -235,8 +269,13 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
     encoded_dir = require_dir(encoded_dir, "encoded data (encode stage output)")
     acc = accelerator or Accelerator(cpu=default_device().type == "cpu",
                                      mixed_precision=mixed_precision(params.precision))
+    init = None if init_weights is None else Path(init_weights)
+    identity = run_identity(model_config, params, encoded_dir, Path(vocab_dir), init)
+    split = _split(params, acc.num_processes, identity, checkpoint_dir)
+    print(f"process {acc.process_index} of {acc.num_processes} on {acc.device}: {split // acc.num_processes} of the "
+          f"step's {split} micro-batches", flush=True)
     trainer = Trainer(model_config, params, encoded_dir=encoded_dir, vocab_dir=Path(vocab_dir), accelerator=acc,
-                      init_weights=None if init_weights is None else Path(init_weights))
+                      init_weights=init, split=split, identity=identity)
     checkpoints = checkpointer(trainer, checkpoint_dir)
     checkpoints.start()
     log = log if (log is not None and acc.is_main_process) else (lambda metrics, step: None)
@@ -262,7 +301,7 @@ def _loop(trainer: Trainer, checkpoints: Checkpointer, log: MetricsLogger, reque
     """Step to max_steps: log a row every log_every steps, validate, save when due; when asked to
     stop, finish the step, save it and raise Stopped."""
     acc, params, progress = trainer.acc, trainer.params, trainer.progress
-    window = MetricsWindow(trainer.micro_tokens, params.grad_accum, acc.num_processes, trainer.peak)
+    window = MetricsWindow(trainer.micro_tokens, trainer.grad_accum, acc.num_processes, trainer.peak)
     with tqdm(total=params.max_steps, initial=progress.step, desc="train", unit=" steps",
               disable=not acc.is_main_process, mininterval=2) as bar:  # closed before any error is said
         while progress.step < params.max_steps:

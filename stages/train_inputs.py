@@ -35,7 +35,7 @@ def training_sampler(corpus: ParallelIds, batch_tokens: int, grad_accum: int, se
     dropped = {"over_positions": int((~keep).sum()), "over_budget": over_budget}
     if not batches:
         raise PipelineError(f"no training pair fits: {dropped['over_budget']} are longer than the batch budget of "
-                            f"{micro_tokens} tokens per micro-batch (train.batch_tokens / processes / grad_accum) "
+                            f"{micro_tokens} tokens per micro-batch (train.batch_tokens / train.micro_batches) "
                             f"and {dropped['over_positions']} longer than model.max_positions ({max_positions})")
     return BatchSampler(batches, seed, world, rank, per_step=world * grad_accum), micro_tokens, dropped
 

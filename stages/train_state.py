@@ -146,10 +146,9 @@ class Topology:
         was, now = state["processes"] * state["grad_accum"], self.processes * self.grad_accum
         if was != now:
             raise PipelineError(
-                f"the checkpoints hold a run of {state['processes']} processes x train.grad_accum "
-                f"{state['grad_accum']} = {was} micro-batches a step; this one has {self.processes} x "
-                f"{self.grad_accum} = {now}: resume it with processes x train.grad_accum = {was}, or move or "
-                f"delete that directory to start afresh")
+                f"the checkpoints hold a run of {state['processes']} processes x {state['grad_accum']} = {was} "
+                f"micro-batches a step; this one has {self.processes} x {self.grad_accum} = {now}: resume it with "
+                f"train.micro_batches {was} (or auto), or move or delete that directory to start afresh")
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state != self.state_dict():

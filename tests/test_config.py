@@ -197,7 +197,7 @@ def _numeric_keys(cls, prefix=""):
         hint = typing.get_type_hints(cls)[f.name]
         if dataclasses.is_dataclass(hint):
             yield from _numeric_keys(hint, f"{prefix}{f.name}.")
-        elif hint in (int, float) or hint == (int | None):
+        elif hint in (int, float) or int in typing.get_args(hint):  # int | None, int | Literal["auto"]
             yield f"{prefix}{f.name}"
 
 
@@ -208,6 +208,20 @@ def test_every_numeric_parameter_refuses_a_negative_value(key, tmp_path):
     path.write_text(BASE, encoding="utf-8")
     with pytest.raises(ConfigError, match=rf"{re.escape(key)}: "):
         apply_overrides({key: -1}, path)
+
+
+def test_the_processes_and_micro_batches_are_auto_or_counts_that_share(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(BASE, encoding="utf-8")
+    assert (load_params(path).train.processes, load_params(path).train.micro_batches) == ("auto", "auto")
+    assert apply_overrides({"train.processes": 2, "train.micro_batches": 8}, path).train.micro_batches == 8
+    line = BASE.splitlines().index(next(x for x in BASE.splitlines() if x.strip().startswith("processes:"))) + 1
+    for value, said in ((0, "must be auto or at least 1, not 0"), ("all", "expected an integer or 'auto', got 'all'")):
+        path.write_text(BASE, encoding="utf-8")
+        with pytest.raises(ConfigError, match=rf"\(with overrides train.processes\):{line}: train.processes: {said}"):
+            apply_overrides({"train.processes": value}, path)
+    with pytest.raises(ConfigError, match="micro_batches: 8 micro-batches a step cannot be shared by 3 processes"):
+        apply_overrides({"train.processes": 3, "train.micro_batches": 8}, path)
 
 
 def test_reading_params_yaml_imports_no_torch():

@@ -1,10 +1,12 @@
 """Training beyond one process, on 127.0.0.1 with gloo: two torchrun launchers joined by c10d
 rendezvous, as two nodes of one process each, train as one node of two processes does; a run of
 2 processes x 1 micro-batch a step resumes on 1 process x 2 and goes on with the same batches; a
-resumption that would change the micro-batches a step is refused, naming them."""
+resumption that would change the micro-batches a step is refused, naming them; the stage's own
+command on two processes (train.processes) fails with the rank of a worker that dies."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,9 +23,11 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def _train(launcher: list[str], out, encoded, vocab_dir, steps: int, grad_accum: int = 1) -> subprocess.Popen:
-    params = train_params_file(out, **{"train.max_steps": steps, "train.grad_accum": grad_accum,
-                                       "train.checkpoint_every_steps": STEPS, "train.log_every": 1})
+def _train(launcher: list[str], out, encoded, vocab_dir, steps: int, micro_batches: int | str = "auto",
+           processes: int = 1) -> subprocess.Popen:
+    params = train_params_file(out, **{"train.max_steps": steps, "train.micro_batches": micro_batches,
+                                       "train.processes": processes, "train.checkpoint_every_steps": STEPS,
+                                       "train.log_every": 1})
     return subprocess.Popen([*launcher, *train_command(params, encoded, vocab_dir, out)], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -73,11 +77,12 @@ def test_a_run_of_two_processes_resumes_on_one_with_twice_the_accumulation(one_n
     one, rounds differently; Adam's updates carry that on: relative 1e-4, absolute 1e-6 after 2N
     steps), but for the keys' biases, whose gradient is rounding noise."""
     _finished(_train([*TORCHRUN, "--standalone", "--nproc_per_node", "2"], tmp_path, encoded[0], vocab_dir, STEPS))
-    refused = _train([sys.executable], tmp_path, encoded[0], vocab_dir, 2 * STEPS)
+    refused = _train([sys.executable], tmp_path, encoded[0], vocab_dir, 2 * STEPS, micro_batches=1)
     said = refused.communicate(timeout=300)[0]
     assert refused.returncode == 1
-    assert "2 processes x train.grad_accum 1 = 2 micro-batches a step; this one has 1 x 1 = 1" in said
-    output = _finished(_train([sys.executable], tmp_path, encoded[0], vocab_dir, 2 * STEPS, grad_accum=2))
+    assert "a run of 2 processes x 1 = 2 micro-batches a step; this one has 1 x 1 = 1: resume it with " \
+           "train.micro_batches 2 (or auto)" in said
+    output = _finished(_train([sys.executable], tmp_path, encoded[0], vocab_dir, 2 * STEPS))  # auto: the run's 2
     assert f"at step {STEPS}" in output and "topology changed: the run was trained on 2 processes x 1" in output
     resumed = _checkpoint(tmp_path, 2 * STEPS)
     assert resumed["topology"] == {"processes": 1, "grad_accum": 2} and resumed["sampler"] == one_node["sampler"]
@@ -87,3 +92,24 @@ def test_a_run_of_two_processes_resumes_on_one_with_twice_the_accumulation(one_n
         if name.endswith("k_proj.bias"):  # its gradient is 0 (softmax ignores a shift common to all keys),
             continue                      # so it holds rounding noise that Adam scales up to full-size steps
         torch.testing.assert_close(resumed["model"][name], weight, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_worker_that_dies_fails_the_stage_with_its_rank_within_seconds(encoded, vocab_dir, tmp_path):
+    """The stage's own command on two processes; SIGKILL to the second worker: the other cannot finish
+    its step, the launcher stops it, and the command ends with the dead worker's rank, nothing left."""
+    import psutil
+
+    from conftest import wait_for
+
+    proc = _train([sys.executable], tmp_path, encoded[0], vocab_dir, 100000, processes=2)
+    wait_for(lambda: (tmp_path / "ckpt/current.json").exists(), 240, "the workers to train")
+    workers = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children()}
+    assert set(workers) == {0, 1}
+    workers[1].kill()
+    killed = time.monotonic()
+    output = proc.communicate(timeout=120)[0]
+    assert time.monotonic() - killed < 20
+    assert proc.returncode == 1
+    assert "error: worker 1 of the train stage failed (killed by SIGKILL)" in output
+    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers.values())
+

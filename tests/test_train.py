@@ -157,8 +157,8 @@ def _gradients_of_one_step(trainer, batches):
 
 def test_gradient_accumulation_equals_one_batch_of_the_union(encoded, vocab_dir):
     parts = [np.arange(i * 5, i * 5 + 5) for i in range(4)]
-    accumulated = _gradients_of_one_step(_trainer(encoded[0], vocab_dir, grad_accum=4), parts)
-    whole = _gradients_of_one_step(_trainer(encoded[0], vocab_dir, grad_accum=1), [np.concatenate(parts)])
+    accumulated = _gradients_of_one_step(_trainer(encoded[0], vocab_dir, micro_batches=4), parts)
+    whole = _gradients_of_one_step(_trainer(encoded[0], vocab_dir, micro_batches=1), [np.concatenate(parts)])
     for a, b in zip(accumulated, whole, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
@@ -181,6 +181,26 @@ def test_a_checkpoint_without_a_part_of_the_state_names_the_parts(encoded, vocab
     write_checkpoint(path.parent, checkpoint)
     with pytest.raises(PipelineError, match=r"holds the parts \[.*\], this run has \[.*'scheduler'"):
         train.checkpointer(_trainer(encoded[0], vocab_dir), tmp_path).start()
+
+
+def test_the_processes_and_the_step_they_share_are_checked_before_any_work(monkeypatch):
+    from stages import devices
+
+    assert devices.processes("auto") == 1 and devices.processes(3) == 3  # no GPU: CPU processes (gloo), any number
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H100 80GB HBM3")
+    assert devices.processes("auto") == 2 and devices.processes(1) == 1
+    with pytest.raises(PipelineError, match=r"train.processes is 3, but 2 GPUs can be seen \(NVIDIA H100 80GB HBM3, "):
+        devices.processes(3)
+    assert train.micro_batches("auto", 4) == 4  # a new run: one a process
+    assert train.micro_batches("auto", 4, recorded=8) == 8  # the run's own: two each
+    assert train.micro_batches(8, 2) == 8
+    with pytest.raises(PipelineError, match="the run to resume takes 8 micro-batches a step, which 3 processes "
+                                            "cannot share: set train.processes to a divisor of 8"):
+        train.micro_batches("auto", 3, recorded=8)
+    with pytest.raises(PipelineError, match="train.micro_batches is 8 .* or train.micro_batches to a multiple of 3"):
+        train.micro_batches(8, 3)
 
 
 # -- the loop's parts, each alone -------------------------------------------------------------------
@@ -279,7 +299,7 @@ def test_averaging_takes_the_step_spaced_checkpoints_not_the_snapshots_between_t
 def test_a_run_resumed_from_a_snapshot_equals_one_never_stopped(encoded, vocab_dir, tmp_path, capsys):
     """The prefetcher has batches of later steps ready when the snapshot is taken: they must not count
     as consumed. fp32, so the weights must agree to the bit."""
-    params = train_params(max_steps=7, checkpoint_every_steps=0, grad_accum=2)
+    params = train_params(max_steps=7, checkpoint_every_steps=0, micro_batches=2)
     straight = train.run(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "a",
                          plots_dir=tmp_path / "plots")
     killed = train.Trainer(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, accelerator=_accelerator())
@@ -319,7 +339,7 @@ def test_a_step_waits_on_the_device_only_for_its_one_agreement(encoded, vocab_di
                 self.reads.append(name)
             return func(*args, **(kwargs or {}))
 
-    trainer = _trainer(encoded[0], vocab_dir, grad_accum=3)
+    trainer = _trainer(encoded[0], vocab_dir, micro_batches=3)
     trainer.train_step()  # the first starts the prefetch thread (whose host work is not watched)
     with Watch() as watch:
         out = trainer.train_step()

@@ -51,7 +51,7 @@ def _ours(sizes: Sizes, work: Path, config, accum: int):
     from stages import train
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16")
-    trainer = train.Trainer(config, train_params(batch_tokens=sizes.batch_tokens, grad_accum=accum),
+    trainer = train.Trainer(config, train_params(batch_tokens=sizes.batch_tokens, micro_batches=accum),
                             encoded_dir=work / "encoded", vocab_dir=work / "vocab", accelerator=accelerator)
     return lambda: trainer.train_step().metrics, trainer.n_parameters, trainer.close
 
