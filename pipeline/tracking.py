@@ -161,7 +161,8 @@ def _lock_file(uri: str) -> Path:
 @contextlib.contextmanager
 def _terminated_on_exit(client: Any, run_id: str, outcome: Callable[[], str] = lambda: "FINISHED") -> Iterator[None]:
     """FINISHED on success, KILLED on Ctrl-C or SIGTERM (or a stage that stopped on one, its work
-    saved), FAILED on any other error."""
+    saved), FAILED on any other error. A handler the stage set meanwhile (a stopped run's, which
+    ignores SIGTERM to its end) is left in place."""
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum: int, frame: Any) -> None:
@@ -179,7 +180,8 @@ def _terminated_on_exit(client: Any, run_id: str, outcome: Callable[[], str] = l
     else:
         client.set_terminated(run_id, outcome())
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if signal.getsignal(signal.SIGTERM) is on_term:
+            signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.io import PipelineError
+from stages.io import PipelineError, Stopped
 
 
 def micro_batch_seed(seed: int, step: int, index: int) -> int:
@@ -160,7 +160,10 @@ class Topology:
 class StopRequest:
     """SIGTERM (Slurm, Kubernetes, spot instances), SIGINT (Ctrl-C) and SIGUSR1 (Slurm's --signal) ask
     the run to stop after the step in progress, never in the middle of it; a second Ctrl-C stops at
-    once. Installed only in the main thread, where Python delivers signals."""
+    once. Installed only in the main thread, where Python delivers signals. Once a run has stopped
+    and saved, SIGTERM and SIGUSR1 have nothing left to ask and stay ignored to the process's end:
+    among several workers, the launcher sends SIGTERM to the others as soon as one exits 75, and
+    their orderly exit (rank 0's MLflow run) must not become an interruption."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -180,4 +183,5 @@ class StopRequest:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            stopped = isinstance(error, Stopped) and s != signal.SIGINT
+            signal.signal(s, signal.SIG_IGN if stopped else handler)

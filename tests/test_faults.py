@@ -18,7 +18,7 @@ import torch
 
 from conftest import CLEAN, TINY, train_command, train_params, train_params_file, wait_for
 from stages import average, clean, decode, train, vocab
-from stages.io import EXIT_STOPPED, PipelineError, read_lines, write_manifest
+from stages.io import EXIT_STOPPED, PipelineError, Stopped, read_lines, write_manifest
 from stages.model_files import current_dir, list_checkpoints, read_checkpoint, write_checkpoint
 from stages.train_state import StopRequest
 
@@ -47,6 +47,22 @@ def test_each_stop_signal_asks_for_a_stop_and_a_second_ctrl_c_stops_at_once(sign
                 os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signum) == before
 
+
+
+def test_a_run_that_stopped_and_saved_ignores_further_stop_signals_but_not_ctrl_c():
+    """The launcher's closing SIGTERM to the other workers, once one has exited 75, must let them end
+    as stopped; a Ctrl-C still interrupts a process that is slow to end."""
+    before = {signum: signal.getsignal(signum) for signum in StopRequest.SIGNALS}
+    try:
+        with pytest.raises(Stopped), StopRequest():
+            raise Stopped("stopped by SIGTERM after step 3")
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            assert signal.getsignal(signum) == signal.SIG_IGN
+            os.kill(os.getpid(), signum)  # nothing happens
+        assert signal.getsignal(signal.SIGINT) == before[signal.SIGINT]
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 @pytest.mark.slow
 def test_a_stop_signal_finishes_the_step_saves_it_and_exits_75(encoded, vocab_dir, tmp_path):
