@@ -1,16 +1,26 @@
 # The three commands a newcomer needs: set up, run, test.
 VENV ?= .venv
+TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: setup quickstart test test-fast repro
+.PHONY: setup lock quickstart test test-fast repro
 
-setup:  ## a virtual environment with everything installed (torch first: CPU build here, CUDA build on GPU hosts)
+setup:  ## a virtual environment of requirements.lock's exact versions (torch first: its CPU build here, CUDA on GPU hosts)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install $(TORCH)
+	$(PY) -m pip install -r requirements.lock
+	$(PY) -m pip install --no-deps -e '.[dev]'
 	$(PY) -m pipeline offline-plots
+
+lock:  ## requirements.lock anew: the newest versions pyproject.toml admits, resolved in a fresh environment
+	rm -rf .lock-venv && python3 -m venv .lock-venv
+	.lock-venv/bin/python -m pip install $(TORCH)
+	.lock-venv/bin/python -m pip install '.[dev]'
+	{ echo "# Exact versions of everything but torch ($(TORCH), installed first), written by \`make lock\`."; \
+	  .lock-venv/bin/python -m pip freeze --exclude torch --exclude attention-pipeline; } > requirements.lock.tmp
+	mv requirements.lock.tmp requirements.lock && rm -rf .lock-venv
 
 quickstart:  ## the whole pipeline on the bundled corpus, as a Prefect flow over dvc.yaml, in minutes on a CPU
 	$(PY) -m pipeline quickstart

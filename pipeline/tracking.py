@@ -9,6 +9,7 @@ stages still run on machines without it (tracking is then skipped with a notice)
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -46,6 +47,35 @@ def artifact_location(uri: str) -> str | None:
 
 def experiment_name(src_lang: str, tgt_lang: str) -> str:
     return f"transformer-{src_lang}-{tgt_lang}"
+
+
+LOCK = ROOT / "requirements.lock"
+
+
+@functools.cache
+def environment_tags() -> dict[str, str]:
+    """The environment a run ran in: requirements.lock's digest, whether the installed packages are
+    the lock's (`make setup` installs them; anything else is named), and torch's build."""
+    from importlib import metadata
+
+    try:
+        text = LOCK.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {"env.lock": "none"}
+    differ = []
+    for line in text.splitlines():
+        name, sep, pinned = line.partition("==")
+        if not sep or line.startswith("#"):
+            continue
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            installed = "missing"
+        if installed != pinned:
+            differ.append(f"{name} {installed} (lock {pinned})")
+    return {"env.lock": hashlib.sha256(text.encode()).hexdigest()[:16],
+            "env.matches_lock": "yes" if not differ else f"no: {len(differ)} differ, e.g. {', '.join(differ[:3])}",
+            "env.torch": metadata.version("torch")}
 
 
 def git_commit() -> str:
@@ -212,7 +242,7 @@ def stage_run(stage: str, experiment: str, params: dict[str, Any], tags: dict[st
         yield Tracker(None, None)
         return
     client, experiment_id = found
-    all_tags = {"stage": stage, "git_commit": git_commit(), **tags}
+    all_tags = {"stage": stage, "git_commit": git_commit(), **environment_tags(), **tags}
     if parent := os.environ.get(PARENT_ENV):
         all_tags["mlflow.parentRunId"] = parent
     if experiment_run := os.environ.get("DVC_EXP_NAME"):  # run as a DVC experiment (dvc exp run, the queue)
@@ -236,7 +266,8 @@ def pipeline_run(experiment: str, name: str, params: dict[str, Any], tags: dict[
         return
     client, experiment_id = found
     run = client.create_run(experiment_id, run_name=name,
-                            tags={"git_commit": git_commit(), PIPELINE_TAG[0]: PIPELINE_TAG[1], **tags})
+                            tags={"git_commit": git_commit(), **environment_tags(), PIPELINE_TAG[0]: PIPELINE_TAG[1],
+                                  **tags})
     run_id = run.info.run_id
     tracker = Tracker(client, run_id, experiment_id)
     os.environ[PARENT_ENV] = run_id

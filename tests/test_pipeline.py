@@ -2,6 +2,7 @@
 and registered model, DVC's caching (a second run does nothing; `dvc exp run -S` of a decode
 parameter reruns decode and score only), the report, the README's examples, and a stage that fails
 or a parameter that is wrong. The copy and its first quickstart are conftest's (session-wide)."""
+import hashlib
 import re
 import subprocess
 import sys
@@ -41,6 +42,8 @@ def test_mlflow_holds_a_parent_run_with_a_nested_run_per_stage(flow_output, repo
     assert parent.info.run_name.startswith("quickstart max_steps=30 checkpoint_every_steps=10")
     assert parent.info.status == "FINISHED" and "test_bleu" in parent.data.metrics
     assert parent.data.tags["presets"] == "quickstart" and len(parent.data.tags["git_commit"]) >= 40
+    lock = hashlib.sha256((repo / "requirements.lock").read_bytes()).hexdigest()[:16]
+    assert all(r.data.tags["env.lock"] == lock for r in runs)  # the environment each result came from
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert sorted(r.info.run_name for r in children) == sorted(STAGES)
     assert all(r.info.status == "FINISHED" for r in children)
