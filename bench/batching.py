@@ -21,6 +21,7 @@ import sentencepiece as spm
 
 from stages.batching import token_batches
 from bench.common import SHARED
+from bench.results import record
 
 
 
@@ -65,6 +66,7 @@ def main() -> None:
                                        minloglevel=2, num_threads=os.cpu_count())
         sp = spm.SentencePieceProcessor(model_file=f"{tmp}/spm.model")
     src, tgt = (np.array([len(x) for x in sp.encode([lines[lang][i] for i in keep_pairs])]) for lang in ("en", "de"))
+    rows = []
     for budget in args.budgets:
         keep = np.maximum(src, tgt) < budget
         s, t = src[keep], tgt[keep]
@@ -76,6 +78,14 @@ def main() -> None:
             print(f"{name:22}{m['batches']:>9}{m['src_padding']:>13.1%}{m['tgt_padding']:>13.1%}{m['fill']:>8.1%}")
         print(f"ratio ours/random: batches {ours['batches'] / peer['batches']:.2f}x, "
               f"fill {ours['fill'] / peer['fill']:.2f}x")
+        rows += [{"budget": budget, "batching": name, "batches": m["batches"],
+                  "source padding": f"{m['src_padding']:.1%}", "target padding": f"{m['tgt_padding']:.1%}",
+                  "fill": f"{m['fill']:.1%}"}
+                 for name, m in (("token-bucketed (ours)", ours), ("random", peer))]
+    record("batching", f"vocab {args.vocab} budgets {' '.join(map(str, args.budgets))}",
+           f"Batches of the WMT14 training samples ({len(src)} pairs), {args.vocab}-piece BPE", rows,
+           "; ".join(f"budget {r['budget']}: ours {r['target padding']} target padding, random "
+                     f"{q['target padding']}" for r, q in zip(rows[::2], rows[1::2])))
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,7 @@ from pathlib import Path
 from stages import clean
 from stages.io import write_manifest
 from bench.common import SHARED, settings
+from bench.results import record
 
 SAMPLES = {"europarl-v7": "uedin-toy/europarl-v7.first10k", "news-commentary": "uedin-toy/news-commentary.first10k",
            "europarl-20k": "hf-europarl-20k/train"}
@@ -54,7 +55,11 @@ def main() -> None:
             rates[workers] = pairs / (time.perf_counter() - start)
             print(f"{workers} worker(s): {rates[workers]:,.0f} pairs/s; 4.5M pairs in "
                   f"{WMT14_EN_DE_PAIRS / rates[workers] / 60:.1f} min")
-        print(f"all cores / one core: {rates[max(rates)] / rates[1]:.2f}x")
+        summary = f"all cores / one core: {rates[max(rates)] / rates[1]:.2f}x"
+        print(summary)
+    record("clean", "wmt14 samples", f"The clean stage on {pairs} pairs of WMT14 training text",
+           [{"workers": w, "pairs/s": round(r), "4.5M pairs (min)": round(WMT14_EN_DE_PAIRS / r / 60, 1)}
+            for w, r in rates.items()], summary)
 
 
 if __name__ == "__main__":

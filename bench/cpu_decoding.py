@@ -33,10 +33,12 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from bench.results import record
 from stages import vocab
 from stages.decode import read_transformer, translate
 from stages.io import PipelineError, read_lines
@@ -59,7 +61,15 @@ def _best(work: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def projection(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> None:
+Rows = list[dict[str, Any]]
+
+
+def _spread(ratios: list[float]) -> str:
+    return f"{min(ratios):.2f}x" if len(ratios) == 1 else f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+
+def projection(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> Rows:
+    table = []
     cpu.keep_freed_memory()  # as the CPU backend runs it
     torch.manual_seed(0)
     for d_model, vocab_size in shapes:
@@ -76,9 +86,13 @@ def projection(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> 
                   f"MKL into a buffer {mkl * 1e3:7.2f} ms ({flops / mkl / 1e9:4.0f} GFLOP/s), PackedOutput "
                   f"{ours * 1e3:7.2f} ms ({flops / ours / 1e9:4.0f}): {mkl / ours:.2f}x; oneDNN at every size "
                   f"{mkl / onednn:.2f}x  (largest difference {error:.1e})")
+            table.append({"d_model -> vocabulary": f"{d_model} -> {vocab_size}", "rows": n,
+                          "MKL into a buffer (GFLOP/s)": round(flops / mkl / 1e9), "PackedOutput (GFLOP/s)":
+                          round(flops / ours / 1e9), "PackedOutput / MKL": f"{mkl / ours:.2f}x"})
+    return table
 
 
-def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats: int) -> None:
+def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats: int) -> Rows:
     """A decoding step's linear layers in the decoder's order, each weight read once, as a step reads them
     (from memory, not from cache: the products at a few rows are bound by that)."""
     torch.manual_seed(0)
@@ -89,6 +103,7 @@ def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats
     plain = [nn.Linear(n_in, n_out) for n_in, n_out in per_layer * layers]
     ours = [cpu.PackedLinear(linear.weight, linear.bias, relu=r) for linear, r in zip(plain, relu, strict=True)]
     megabytes = sum(linear.weight.nbytes for linear in plain) / 2**20
+    table = []
     for n in rows:
         inputs = {width: torch.randn(n, 1, width) for width in (d_model, d_ff)}
 
@@ -101,16 +116,20 @@ def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats
         print(f"{layers} layers of d_model {d_model}, d_ff {d_ff} ({megabytes:.0f} MB of weights), {n:>5} rows: "
               f"nn.Linear and ReLU {mkl * 1e3:7.2f} ms, PackedLinear {packed * 1e3:7.2f} ms: {mkl / packed:.2f}x"
               f"  (largest difference {error:.1e})")
+        table.append({"d_model, d_ff": f"{d_model}, {d_ff}", "rows": n, "nn.Linear and ReLU (ms)": round(mkl * 1e3, 3),
+                      "PackedLinear (ms)": round(packed * 1e3, 3), "PackedLinear / nn.Linear": f"{mkl / packed:.2f}x"})
+    return table
 
 
 def attention_kernels(d_model: int, heads: int, rows: list[int], keys: list[int], repeats: int,
-                      beams: int = 4) -> None:
+                      beams: int = 4) -> Rows:
     """A decoding step's attention, scaled_dot_product_attention against two batched products:
     self-attention (one query per matrix, each row its own keys) and attention to the source (a
     sentence's beams against its keys, the last two padding), and which of the two the CPU backend takes."""
     torch.manual_seed(0)
     d = d_model // heads
     sdpa = MultiHeadAttention(d_model, heads, d, d, 0.0).eval()
+    table = []
     for n in rows:
         for t in keys:
             sentences = max(n // beams, 1)
@@ -128,11 +147,16 @@ def attention_kernels(d_model: int, heads: int, rows: list[int], keys: list[int]
                 cells.append(f"{name}: products {products * 1e6:6.0f} us, fused {fused * 1e6:6.0f} us "
                              f"({products / fused:.2f}x, takes {'fused' if pick else 'products'}; "
                              f"difference {error:.0e})")
+                table.append({"d_model, heads": f"{d_model}, {heads}", "rows": n, "keys": t, "attention": name,
+                              "products (us)": round(products * 1e6), "fused (us)": round(fused * 1e6),
+                              "products / fused": f"{products / fused:.2f}x", "taken": "fused" if pick else "products"})
             print(f"{n:>5} rows, {t:>3} keys: " + "; ".join(cells))
+    return table
 
 
-def selection(vocab_sizes: list[int], sentences: list[int], repeats: int, beams: int = 4) -> None:
+def selection(vocab_sizes: list[int], sentences: list[int], repeats: int, beams: int = 4) -> Rows:
     torch.manual_seed(0)
+    table = []
     for vocab_size in vocab_sizes:
         for n in sentences:
             lprobs, scores = torch.log_softmax(torch.randn(n, beams, vocab_size) * 3, -1), torch.randn(n, beams)
@@ -149,6 +173,10 @@ def selection(vocab_sizes: list[int], sentences: list[int], repeats: int, beams:
             same = torch.equal(full()[0], chunked()[0])
             print(f"{vocab_size:>6} tokens x {beams} beams, {n:>4} sentences: full top-k {a * 1e3:6.2f} ms, "
                   f"best_candidates {b * 1e3:6.2f} ms: {a / b:.2f}x  (same sums: {same})")
+            table.append({"vocabulary": vocab_size, "sentences": n, "full top-k (ms)": round(a * 1e3, 3),
+                          "best_candidates (ms)": round(b * 1e3, 3), "top-k / best_candidates": f"{a / b:.2f}x",
+                          "same sums": same})
+    return table
 
 
 # The CPU backend's fp32 transforms in the order it applies them; each translator takes one more.
@@ -167,7 +195,7 @@ def _translator(model_path: Path, transforms: tuple[Callable[[Transformer], None
     return Translator(read_transformer(model_path), "cpu", bos_id=vocab.BOS_ID, eos_id=vocab.EOS_ID, backend=backend)
 
 
-def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds: int, batch_tokens: int) -> None:
+def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds: int, batch_tokens: int) -> Rows:
     if not torch.backends.mkldnn.is_available():
         raise SystemExit("this PyTorch has no oneDNN (torch.backends.mkldnn): the CPU backend uses MKL alone")
     translators = {name: _translator(model_path, transforms) for name, transforms in VARIANTS.items()}
@@ -188,13 +216,17 @@ def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds
     same = sum(len(set(translations)) == 1 for translations in zip(*outputs.values(), strict=True)) / len(lines)
     print(f"{len(lines)} lines of {source.name}, beam 4, batches of {batch_tokens} source tokens, "
           f"{torch.get_num_threads()} threads, medians of {rounds}:")
-    previous = medians["plain"]
+    previous, table = medians["plain"], []
     for name, median in medians.items():
         low, high = min(times[name]) * 1e3, max(times[name]) * 1e3
         print(f"  {name:<24} {median * 1e3:8.0f} ms  (rounds {low:.0f}-{high:.0f}; this transform alone "
               f"{previous / median:.2f}x, plain / this {medians['plain'] / median:.2f}x)")
+        table.append({"translator": name, "median ms": round(median * 1e3), "this transform alone":
+                      f"{previous / median:.2f}x", "plain / this": f"{medians['plain'] / median:.2f}x",
+                      "same translations": f"{same:.1%}"})
         previous = median
     print(f"  same translations: {same:.1%}")
+    return table
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:
@@ -243,17 +275,34 @@ def main() -> None:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
-    projection(shapes, rows, args.repeats)
-    for d_model, d_ff in layers:
-        linear_layers(d_model, d_ff, args.decoder_layers, rows, args.repeats)
-    for d_model, _ in layers:
-        attention_kernels(d_model, max(d_model // 64, 1), rows, keys, args.repeats)  # heads of 64, as the paper
-    selection(sorted({vocab_size for _, vocab_size in shapes}), sentences, args.repeats)
+    threads = f"{args.threads} threads, best of {args.repeats}"
+    table = projection(shapes, rows, args.repeats)
+    record("cpu_decoding", f"projection {args.shapes} rows {args.rows}", f"The pre-softmax projection, {threads}",
+           table, "PackedOutput against MKL into a buffer: "
+           f"{_spread([float(r['PackedOutput / MKL'][:-1]) for r in table])}")
+    table = [row for d_model, d_ff in layers for row in linear_layers(d_model, d_ff, args.decoder_layers, rows,
+                                                                      args.repeats)]
+    record("cpu_decoding", f"linear layers {args.layers} rows {args.rows}", f"A decoding step's linear layers "
+           f"({args.decoder_layers} decoder layers, weights from memory), {threads}", table, "PackedLinear against "
+           f"nn.Linear: {_spread([float(r['PackedLinear / nn.Linear'][:-1]) for r in table])}")
+    table = [row for d_model, _ in layers  # heads of 64, as the paper's
+             for row in attention_kernels(d_model, max(d_model // 64, 1), rows, keys, args.repeats)]
+    chosen = [float(r["products / fused"][:-1]) ** (1 if r["taken"] == "fused" else -1) for r in table]
+    record("cpu_decoding", f"attention {args.layers} rows {args.rows} keys {args.keys}", "Decoding's attention: "
+           f"the fused kernel against two batched products, {threads}", table,
+           f"the kernel fused_attention_is_faster takes, against the other: {_spread(chosen)}")
+    table = selection(sorted({vocab_size for _, vocab_size in shapes}), sentences, args.repeats)
+    record("cpu_decoding", f"selection {args.shapes} sentences {args.sentences}", "Choosing each sentence's best "
+           f"2K extensions, {threads}", table, "best_candidates against a full top-k: "
+           f"{_spread([float(r['top-k / best_candidates'][:-1]) for r in table])}")
     if args.model:
         try:
-            decoding(args.model, args.vocab_dir, args.source, args.limit, args.rounds, args.batch_tokens)
+            table = decoding(args.model, args.vocab_dir, args.source, args.limit, args.rounds, args.batch_tokens)
         except PipelineError as e:
             raise SystemExit(f"error: {e}") from None
+        record("cpu_decoding", f"decoding {args.model.name} {args.limit} lines {args.batch_tokens}", "Decoding "
+               f"{args.limit} lines of {args.source.name}, each CPU transform added in turn, {args.threads} threads",
+               table, f"the CPU backend against the plain model: {table[-1]['plain / this']}")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 
 from bench.common import CORPORA, NEWSTEST, model_config, prepare_corpora, train_params
-from bench.peers import CT2_TYPES, PEERS, decode_all, report
+from bench.peers import CT2_TYPES, PEERS, decode_all, report, table
+from bench.results import record
 
 NEWSTEST_SOURCE, NEWSTEST_REFERENCE = Path(f"{NEWSTEST}-src.en.txt"), Path(f"{NEWSTEST}-ref.de.txt")
 
@@ -121,6 +122,7 @@ def main() -> None:
     ap.add_argument("--train-precision", choices=("fp32", "bf16"), help="what --train-base trains in (default: "
                     "fp32; bf16 autocast is faster on CPUs with AVX512-BF16)")
     args = ap.parse_args()
+    args.train_base_text = ",".join(f"{corpus}:{steps}" for corpus, steps in args.train_base or ())
     if unknown := set(args.precisions) - set(CT2_TYPES):
         ap.error(f"--precisions: unknown {', '.join(sorted(unknown))} (known: {', '.join(CT2_TYPES)})")
     if unknown := set(args.peers) - set(PEERS):
@@ -155,6 +157,11 @@ def main() -> None:
     print("\n".join(report(results, references)))
     for system, why in unavailable.items():
         print(f"{system}: not measured ({why})")
+    rows, summary = table(results, references)
+    model = f"base trained {args.train_base_text}" if args.train_base else args.model.name
+    record("decode", f"{model} {args.source.name} {len(lines)} {','.join(args.precisions)}",
+           f"Beam search, {model}: {len(lines)} sentences of {args.source.name}, beam {args.beam}", rows,
+           summary + "".join(f"; {system}: not measured ({why})" for system, why in unavailable.items()))
 
 
 if __name__ == "__main__":

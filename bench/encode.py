@@ -18,6 +18,7 @@ import sentencepiece as spm
 
 from stages.encode import encode_file
 from bench.common import SHARED
+from bench.results import record
 
 STEMS = ["hf-europarl-20k/train", "uedin-toy/europarl-v7.first10k", "uedin-toy/news-commentary.first10k"]
 
@@ -46,9 +47,13 @@ def main() -> None:
         }
     base = len(lines) / results["sentencepiece, line by line"]
     print(f"{len(lines)} English sentences of the WMT14 training samples")
+    rows = []
     for name, seconds in results.items():
         rate = len(lines) / seconds
         print(f"{name:34}{rate:>12,.0f} sentences/s{rate / base:>8.2f}x")
+        rows.append({"way": name, "sentences/s": round(rate), "against line by line": f"{rate / base:.2f}x"})
+    record("encode", "wmt14 samples", f"Encoding {len(lines)} English sentences of the WMT14 training samples", rows,
+           f"the encode stage on {cores} cores: {rows[-1]['against line by line']} sentencepiece line by line")
 
 
 if __name__ == "__main__":

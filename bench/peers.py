@@ -241,34 +241,42 @@ def _ratio(ours: Decoded, other: Decoded) -> str:
     return f"ours / this: {ours.rate / other.rate:.2f}x"
 
 
-def report(results: list[Decoded], references: list[str] | None = None) -> list[str]:
+def table(results: list[Decoded], references: list[str] | None = None) -> tuple[list[dict[str, Any]], str]:
     """Each system's rate, ours against it at the same precision and batch size, and the share of
     output lines identical to ours; with references, each system's sacreBLEU (what a lower precision
-    costs). With several batch sizes, then each system at its fastest one against ours at its own."""
+    costs). The summary: each peer against ours, each at its fastest batch size."""
     import sacrebleu
 
-    sizes = len({r.batch_tokens for r in results}) > 1
     rows = []
     for r in results:
         ours = next(o for o in results if (o.system, o.precision, o.batch_tokens) ==
                     (SYSTEMS[0], r.precision, r.batch_tokens))
-        bleu = f"  BLEU {sacrebleu.corpus_bleu(r.lines, [references]).score:.2f}" if references else ""
+        row = {"system": r.system, "precision": r.precision, "batch tokens": r.batch_tokens,
+               "target tokens/s": round(r.rate), "sentences/s": round(len(r.lines) / r.seconds, 1),
+               "ours / this": _ratio(ours, r) if r is not ours else "",
+               "same lines as ours": f"{_same(ours.lines, r.lines):.1%}"}
+        if references:
+            row["BLEU"] = round(sacrebleu.corpus_bleu(r.lines, [references]).score, 2)
         first = results[0].precision  # ours at a later precision: how many lines that precision changed
         if r is ours and r.precision != first:
             ours_first = next(o for o in results if (o.precision, o.batch_tokens, o.system) ==
                               (first, r.batch_tokens, r.system))
-            bleu += f"  same lines as ours {first}: {_same(ours_first.lines, r.lines):.1%}"
-        size = f"{r.batch_tokens:>7,}" if sizes else ""
-        rows.append(f"{r.system:32}{r.precision:>5}{size}{r.rate:>10,.0f} target tokens/s"
-                    f"{len(r.lines) / r.seconds:>8,.1f} sentences/s  ({r.tokens} tokens)  {_ratio(ours, r)}"
-                    f"  same lines: {_same(ours.lines, r.lines):.1%}{bleu}")
-    if sizes:
-        rows.append("each at its fastest batch size (source tokens):")
-        fastest: dict[tuple[str, str], Decoded] = {}
-        for r in results:
-            if (r.system, r.precision) not in fastest or r.rate > fastest[r.system, r.precision].rate:
-                fastest[r.system, r.precision] = r
-        for r in fastest.values():
-            rows.append(f"{r.system:32}{r.precision:>5}{r.batch_tokens:>7,}{r.rate:>10,.0f} target tokens/s  "
-                        f"{_ratio(fastest[SYSTEMS[0], r.precision], r)}")
-    return rows
+            row["same lines as ours"] = f"{_same(ours_first.lines, r.lines):.1%} of ours in {first}"
+        rows.append(row)
+    fastest: dict[tuple[str, str], Decoded] = {}
+    for r in results:
+        if (r.system, r.precision) not in fastest or r.rate > fastest[r.system, r.precision].rate:
+            fastest[r.system, r.precision] = r
+    sizes = len({r.batch_tokens for r in results}) > 1
+    summary = "; ".join(f"{r.system} {r.precision}{f' at {r.batch_tokens:,}' if sizes else ''}: "
+                        f"{_ratio(fastest[SYSTEMS[0], r.precision], r)}"
+                        for r in fastest.values() if r.system != SYSTEMS[0]) or "ours alone"
+    return rows, (f"each at its fastest batch size: {summary}" if sizes else summary)
+
+
+def report(results: list[Decoded], references: list[str] | None = None) -> list[str]:
+    """`table` as lines to print."""
+    rows, summary = table(results, references)
+    return [f"{r['system']:32}{r['precision']:>5}{r['batch tokens']:>7,}{r['target tokens/s']:>10,} target tokens/s"
+            f"{r['sentences/s']:>8,.1f} sentences/s  {r['ours / this'] or 'ours':28}  same lines: "
+            f"{r['same lines as ours']}" + (f"  BLEU {r['BLEU']:.2f}" if "BLEU" in r else "") for r in rows] + [summary]

@@ -16,9 +16,11 @@ import dataclasses
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 from bench.clean import PARAMS, sample_raw
+from bench.results import record
 from stages import clean, vocab
 from stages.encode import encode_file
 
@@ -38,12 +40,12 @@ def best_time(work: Callable[[int, int], object], repeats: int = 2) -> dict[int,
     return best
 
 
-def project(name: str, pairs: int, seconds: dict[int, float]) -> str:
+def project(name: str, pairs: int, seconds: dict[int, float]) -> dict[str, Any]:
     one, two = pairs / seconds[1], pairs / seconds[2]
     efficiency = min(two / (2 * one), 1.0)  # more than linear is noise, not to be projected
     hours = WMT14_EN_FR_PAIRS / (one * CORES * efficiency) / 3600
-    return (f"{name:7}{one:>10,.0f} pairs/s on 1 worker{two:>10,.0f} on 2 ({efficiency:.0%} efficient); "
-            f"36M pairs on {CORES} cores: {hours:.2f} h (projected)")
+    return {"stage": name, "pairs/s, 1 worker": round(one), "pairs/s, 2 workers": round(two),
+            "efficiency": f"{efficiency:.0%}", f"36M pairs on {CORES} cores (projected)": f"{hours:.2f} h"}
 
 
 def main() -> None:
@@ -60,9 +62,13 @@ def main() -> None:
         encoding = best_time(lambda w, r: [encode_file(sp, cleaned / f"train.{lang}", work / f"ids/train.{lang}",
                                                        threads=w) for lang in ("en", "de")])
         kept = sum(1 for _ in open(cleaned / "train.en", encoding="utf-8"))
-    print(f"{pairs:,} pairs of the shared WMT14 training samples ({kept:,} kept by clean)")
-    print(project("clean", pairs, cleaning))
-    print(project("encode", kept, encoding))
+    rows = [project("clean", pairs, cleaning), project("encode", kept, encoding)]
+    title = f"Clean and encode at en-fr scale: {pairs:,} pairs of the shared WMT14 samples ({kept:,} kept by clean)"
+    print(title)
+    for row in rows:
+        print("  ".join(f"{key} {value}" for key, value in row.items()))
+    hours = sum(float(row[f"36M pairs on {CORES} cores (projected)"].split()[0]) for row in rows)
+    record("prep", "wmt14 samples", title, rows, f"WMT14 en-fr's 36M pairs on {CORES} cores: {hours:.2f} h (projected)")
 
 
 if __name__ == "__main__":

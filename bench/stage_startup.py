@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from bench.common import SHARED
+from bench.results import record
 from stages.io import write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,9 +77,13 @@ def main() -> None:
     for way, t in times.items():
         print(f"  {way:32s} {medians[way]:6.2f} s  (runs {min(t[1:]):.2f}-{max(t[1:]):.2f})")
     now, before = medians.values()
-    print(f"  command / imported main: {before / now:.2f}x faster; the same metrics: {metrics[0] == metrics[1]}")
+    summary = f"command / imported main: {before / now:.2f}x faster"
+    print(f"  {summary}; the same metrics: {metrics[0] == metrics[1]}")
     if metrics[0] != metrics[1]:
         sys.exit(f"error: the two ways wrote different metrics, so their times do not compare:\n{metrics}")
+    record("stage_startup", f"{args.lines} lines", f"A stage's command: the score stage on {args.lines} lines of "
+           "newstest2013 and 2014, a fresh process each", [{"way": way, "median seconds": round(medians[way], 2),
+                                                            "runs": len(t) - 1} for way, t in times.items()], summary)
 
 
 if __name__ == "__main__":

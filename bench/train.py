@@ -25,6 +25,7 @@ from stages.batching import collate, token_batches
 from stages.devices import default_device
 from stages.vocab import PAD_ID
 from bench.common import SAMPLE, model_config
+from bench.results import record
 from transformer.config import TransformerConfig
 from transformer.loss import label_smoothed_nll_loss
 from transformer.model import Transformer
@@ -76,7 +77,7 @@ def marian(config: TransformerConfig, vocab_size: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-
+    ap.add_argument("--preset", choices=("base", "big", "tiny"), default="base", help="the model's size")
     ap.add_argument("--vocab-size", type=int, default=37000)
     ap.add_argument("--batch-tokens", type=int, default=3000, help="per side per step")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per model")
@@ -120,11 +121,19 @@ def main() -> None:
           f"{args.precision}{', compiled' if args.compile else ''}, batches of {args.batch_tokens} tokens per side, "
           f"{args.steps} timed steps ({tokens} target tokens) after {args.warmup} warm-up")
     rate = {name: tokens / sum(t) for name, t in times.items()}
+    rows = []
     for name in runs:
         spread = statistics.pstdev(times[name]) / statistics.mean(times[name])
         print(f"{name:26}{rate[name]:>12,.0f} target tokens/s  ({params[name] / 1e6:.1f}M parameters, "
               f"step time varies {spread:.0%})")
-    print(f"ratio ours / MarianMT: {rate['ours'] / rate['MarianMT (transformers)']:.2f}x")
+        rows.append({"system": name, "target tokens/s": round(rate[name]), "parameters": params[name],
+                     "step time varies": f"{spread:.0%}"})
+    summary = f"ours / MarianMT: {rate['ours'] / rate['MarianMT (transformers)']:.2f}x"
+    print(summary)
+    compiled = ", compiled" if args.compile else ""
+    record("train", f"{args.preset} {args.precision} {args.batch_tokens}{compiled}",
+           f"Training steps, {args.preset} model, {args.precision}{compiled}, {args.batch_tokens} tokens a side",
+           rows, summary)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,28 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def record_results(results: dict[str, Any]) -> None:
+    """The parts that ran, as bench results (bench/results.py) for docs/performance.md."""
+    from bench.results import record
+
+    size = " (smoke sizes)" if results["smoke"] else ""
+    if throughput := results.get("throughput"):
+        record("gpu", f"throughput{size}", f"Training steps of {results['batch_tokens']:,} target tokens in bf16, the "
+               f"train stage's step against MarianMT's{size}",
+               [{"model": r["model"], "system": r["system"], "accumulation": r["grad_accum"],
+                 "target tokens/s": round(r["tgt_tokens_per_sec"]), "TFLOP/s": round(r["tflops"], 1),
+                 "MFU": f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", "peak memory (GB)": r["peak_memory_gb"]}
+                for r in throughput],
+               "; ".join(f"{m}: ours / MarianMT {ratio:.2f}x" for m, ratio in results["ours_over_marian"].items()))
+    if d := results.get("decode"):
+        record("gpu", f"decode{size}", f"Beam search on the GPU, {d['sentences']} sentences of newstest2014, beam 4, "
+               f"weights: {d['weights']}{size}", d["rows"], d["summary"])
+    if m := results.get("multi30k"):
+        record("gpu", f"multi30k{size}", f"Multi30k, presets multi30k + multi30k-gpu, the whole pipeline{size}",
+               [{"split": split, "sacreBLEU": round(bleu, 2)} for split, bleu in m["bleu"].items()],
+               f"{m['steps']} steps, {m['total_seconds'] / 60:.1f} minutes end to end")
+
+
 def write(path: Path, text: str) -> None:
     from stages.io import atomic_write
 
@@ -199,6 +221,7 @@ def main() -> None:
                 results[part] = measured(part, part)
     results["wall_seconds"] = time.perf_counter() - start
     write(args.out, json.dumps(results, indent=2) + "\n")
+    record_results(results)
     text = table(results) + f"\n{results['wall_seconds'] / 60:.1f} minutes in all\n"
     write(args.out.with_suffix(".md"), text)
     print(text)

@@ -33,7 +33,7 @@ def decode(sizes: Sizes, work: Path) -> dict[str, Any]:
     shows whether it ends its sentences)."""
     import sacrebleu
 
-    from bench.peers import decode_all, report
+    from bench.peers import decode_all, report, table
 
     model_path, name, trained = decode_weights(sizes, work)
     steps = sizes.decode_train_steps
@@ -51,6 +51,8 @@ def decode(sizes: Sizes, work: Path) -> dict[str, Any]:
                                                 f"{trained['mean_tgt_tokens_per_sec']:,.0f} target tokens/s{mfu})",
             "model": str(model_path),
             "table": report(results),
+            "rows": (found := table(results, refs))[0],
+            "summary": found[1] + "".join(f"; {system}: not measured ({why})" for system, why in unavailable.items()),
             "unavailable": unavailable,
             "systems": [{"system": r.system, "precision": r.precision, "tgt_tokens_per_sec": r.rate,
                          "seconds": r.seconds, "tokens": r.tokens,

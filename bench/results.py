@@ -1,0 +1,130 @@
+"""Bench results as files, and docs/performance.md rendered from them, so the page cannot go stale.
+
+Each bench run ends by `record(...)`: a JSON file in bench/results/ holding its figures with the
+command that produced them, the machine (CPU or GPU model, cores), torch's version, the commit and
+the date. One file per bench, case and machine: a rerun replaces the figure it remeasures (git keeps
+the old one). `python -m bench.results` renders the page from every file; `--check` fails when the
+page differs from what the files render (a test runs it).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"  # where record writes, unless BENCH_RESULTS names another folder (smoke runs)
+PAGE = ROOT / "docs" / "performance.md"
+
+
+def machine() -> dict[str, Any]:
+    """What ran the bench: the GPU's name where torch sees one, the CPU's model and cores always."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    found: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "gpu": None}
+    if "torch" in sys.modules:
+        import torch
+
+        found["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            found["gpu"] = torch.cuda.get_device_name()
+    return found
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def record(bench: str, case: str, title: str, rows: list[dict[str, Any]], summary: str,
+           results_dir: Path | None = None, argv: list[str] | None = None) -> Path:
+    """Write one bench run's figures: `rows` a table (one dict per system or size, the same keys),
+    `summary` its one-line conclusion (the ratio), `case` what distinguishes this run's work from
+    the bench's other cases (e.g. '20 sentences')."""
+    found = machine()
+    result = {"bench": bench, "case": case, "title": title, "rows": rows, "summary": summary,
+              "command": " ".join(["python -m", f"bench.{bench}", *(sys.argv[1:] if argv is None else argv)]),
+              "machine": found, "commit": _commit(), "date": datetime.date.today().isoformat()}
+    where = found["gpu"] or f"{found['cpu']} {found['cores']} cores"
+    folder = results_dir or Path(os.environ.get("BENCH_RESULTS", RESULTS))
+    out = folder / f"{_slug(bench)}--{_slug(case)}--{_slug(where)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(out)
+    print(f"result: {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}", flush=True)
+    return out
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.2f}".rstrip("0").rstrip(".") if abs(value) < 100 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def render(results_dir: Path | None = None) -> str:
+    """The page: each bench's results, newest machine kind first within a bench."""
+    results = [json.loads(p.read_text(encoding="utf-8")) for p in sorted((results_dir or RESULTS).glob("*.json"))]
+    lines = ["# Performance", "",
+             "Rendered by `python -m bench.results` from the files in `bench/results/`, one per bench, case and",
+             "machine, each written by the bench run it names; do not edit by hand. Each bench runs ours and a",
+             "peer on the same work in one run, so compare the ratios, which hold across a machine's drift, more",
+             "than the rates. Rerun a command on your machine and render again.", ""]
+    for bench in sorted({r["bench"] for r in results}):
+        lines += [f"## bench.{bench}", ""]
+        for r in sorted((r for r in results if r["bench"] == bench), key=lambda r: (r["case"], r["date"])):
+            m = r["machine"]
+            where = m["gpu"] or f"{m['cpu']}, {m['cores']} cores"
+            lines += [f"### {r['title']}", "",
+                      f"{where}; torch {m.get('torch', 'not loaded')}; commit {r['commit']}; {r['date']}"
+                      + (f" ({r['source']})" if r.get("source") else ""), "",
+                      "```", r["command"], "```", ""]
+            if r["rows"]:
+                keys = list(r["rows"][0])
+                lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+                lines += ["| " + " | ".join(_cell(row.get(k, "")) for k in keys) + " |" for row in r["rows"]]
+                lines.append("")
+            lines += [f"**{r['summary']}**", ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Render docs/performance.md from bench/results/*.json.")
+    ap.add_argument("--check", action="store_true", help="fail if the page differs from what the files render")
+    args = ap.parse_args()
+    page = render()
+    if args.check:
+        if not PAGE.is_file() or PAGE.read_text(encoding="utf-8") != page:
+            sys.exit(f"error: {PAGE.relative_to(ROOT)} is not what bench/results/ renders: "
+                     "run `python -m bench.results` and commit it")
+        return
+    tmp = PAGE.with_suffix(".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(PAGE)
+    print(f"wrote {PAGE.relative_to(ROOT)} from {len(list(RESULTS.glob('*.json')))} results")
+
+
+if __name__ == "__main__":
+    main()
