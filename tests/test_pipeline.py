@@ -104,7 +104,7 @@ def test_the_readmes_examples_run_as_written(flow_output, repo):
     for block in python_blocks:
         run_in(repo, sys.executable, "-c", block)
     section = text.split("## One stage alone", 1)[1].split("\n## ", 1)[0]
-    shell = re.findall(r"```\n(.*?)```", section, re.S)[0]
+    shell = re.findall(r"```\n# run by tests/test_pipeline.py\n(.*?)```", section, re.S)[0]
     commands = [line.split("  #")[0].strip() for line in shell.splitlines() if line.strip()]
     assert commands and all(c.startswith("python -m pipeline") for c in commands)
     for command in commands:

@@ -31,7 +31,7 @@ def _files(root, folder: str) -> dict[str, bytes]:
 
 
 def test_a_teammate_pulls_a_pushed_run_and_dvc_repro_has_nothing_to_do(completed, tmp_path):
-    run_in(completed, *DVC, "remote", "add", "--default", "team", str(tmp_path / "remote"))  # as the README says
+    run_in(completed, *DVC, "remote", "add", "--default", "team", str(tmp_path / "remote"))  # as docs/scaling.md says
     run_in(completed, *DVC, "push")
     run_in(completed, "git", "add", "-A")
     run_in(completed, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "the run's lock")
