@@ -1,7 +1,9 @@
 """Length-bucketed, token-budget batches (paper section 5.1: ~25k source and ~25k target tokens per step).
 
 Sentences are sorted by length so a batch holds similar lengths and wastes little on padding; a
-batch takes sentences while (sentences x longest side) stays within the budget. The batches are
+batch takes sentences while (sentences x longest side) stays within the budget. Under
+train.shapes buckets a batch is padded to one of a few (rows, width) shapes instead, so a compiled
+step replays a handful of CUDA graphs rather than meeting a new shape nearly every step. The batches are
 fixed for a seed; their order is reshuffled each epoch from (seed, epoch) and shared out over
 processes. The position in the stream is a small state that checkpoints save and restore exactly.
 """
@@ -24,7 +26,8 @@ BIN_WIDTHS = (1, 2, 3, 4, 6, 8)  # target-length bin widths tried; the tightest 
 
 
 def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int,
-                  seed: int | None, keep: np.ndarray | None = None) -> tuple[list[np.ndarray], int]:
+                  seed: int | None, keep: np.ndarray | None = None,
+                  bucketed: bool = False) -> tuple[list[np.ndarray], int]:
     """Group sentence indices into batches of at most `max_tokens` padded tokens per side.
 
     Pairs are binned by target length and ordered by source length inside each bin, ascending and
@@ -32,8 +35,10 @@ def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: 
     (1 to 8 target tokens) is the one that needs the fewest padded tokens for this data and budget:
     wide bins suit sparse data, narrow ones dense data. Lengths count the EOS (or BOS) the model
     adds. With a seed, pairs of equal lengths are ordered randomly (but reproducibly); without one,
-    in corpus order. Pairs where `keep` is False are left out. Returns the batches and the number of
-    (kept) pairs dropped because alone they exceed the budget.
+    in corpus order. Pairs where `keep` is False are left out. Bucketed, a batch costs its shape's
+    tokens (bucket_shape: its longest side rounded up to one of a few widths, times the rows the
+    budget gives that width), so it fits the shape it is padded to. Returns the batches and the number
+    of (kept) pairs dropped because alone they exceed the budget.
     """
     src_len = np.asarray(src_lengths, dtype=np.int64) + 1
     tgt_len = np.asarray(tgt_lengths, dtype=np.int64) + 1
@@ -41,6 +46,9 @@ def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: 
     if seed is not None:
         order = np.random.default_rng(seed).permutation(order)
     longest = np.maximum(src_len, tgt_len)
+    if bucketed:
+        lengths, where = np.unique(longest, return_inverse=True)
+        longest = np.array([bucket_width(int(n)) for n in lengths], dtype=np.int64)[where]
     if keep is not None:
         order = order[np.asarray(keep)[order]]
     fits = longest[order] <= max_tokens
@@ -48,7 +56,8 @@ def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: 
     order = order[fits]
     candidates = [_fill(_snake(order, src_len, tgt_len, width), src_len, tgt_len, longest, max_tokens)
                   for width in BIN_WIDTHS]
-    return min(candidates, key=lambda batches: _padded(batches, src_len, tgt_len)), dropped
+    return min(candidates, key=lambda batches: _padded(batches, src_len, tgt_len, max_tokens if bucketed else None)), \
+        dropped
 
 
 def _snake(order: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, width: int) -> np.ndarray:
@@ -74,10 +83,15 @@ def _fill(order: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, longest: 
     return batches
 
 
-def _padded(batches: list[np.ndarray], src_len: np.ndarray, tgt_len: np.ndarray) -> int:
-    """Padding tokens, both sides together."""
-    return sum(len(b) * int(src_len[b].max() + tgt_len[b].max()) - int(src_len[b].sum() + tgt_len[b].sum())
-               for b in batches)
+def _padded(batches: list[np.ndarray], src_len: np.ndarray, tgt_len: np.ndarray, bucket_budget: int | None) -> int:
+    """Padding tokens, both sides together: each side padded to its longest, or, with a bucket budget,
+    both to the batch's bucket_shape."""
+    def slots(b: np.ndarray) -> int:
+        if bucket_budget is None:
+            return len(b) * int(src_len[b].max() + tgt_len[b].max())
+        rows, width = bucket_shape(int(max(src_len[b].max(), tgt_len[b].max())), bucket_budget)
+        return 2 * rows * width
+    return sum(slots(b) - int(src_len[b].sum() + tgt_len[b].sum()) for b in batches)
 
 
 def divisible(batches: list[np.ndarray], parts: int) -> list[np.ndarray]:
@@ -169,24 +183,68 @@ class BatchSampler:
         self._order = self._epoch_order()
 
 
-def pad(rows: list, pad_id: int = PAD_ID, multiple: int = 1) -> torch.Tensor:
-    """Rows of token ids of any lengths as one (rows, longest) int64 tensor, padded at the end; the
-    width rounded up to a multiple of `multiple` (8 on GPUs: tensor-core tiles, and fewer shapes). On
-    the host whatever torch's default device is: batches are pinned there and copied without blocking."""
-    width = -(-max(map(len, rows), default=0) // multiple) * multiple
-    out = torch.full((len(rows), width), pad_id, dtype=torch.long, device="cpu")
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.from_numpy(np.asarray(row, dtype=np.int64))
-    return out
+def bucket_width(length: int) -> int:
+    """The width a batch whose longest side is `length` is padded to under train.shapes buckets: a
+    multiple of 8 up to 64, then four widths a doubling (80, 96, 112, 128, 160, ...), so a batch wastes
+    under 8 tokens of its width up to 64 and under a fifth of it above, and a corpus whose pairs reach
+    L tokens brings at most 8 + 4 log2(L / 64) shapes (16 to L = 256)."""
+    if length <= 64:
+        return max(8, -(-length // 8) * 8)
+    step = (1 << (int(length) - 1).bit_length() - 1) // 4  # a quarter of the doubling below
+    return -(-length // step) * step
 
 
-def collate(corpus, indices: np.ndarray, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def bucket_shape(longest: int, max_tokens: int) -> tuple[int, int]:
+    """(rows, width) of a bucketed batch: its width's share of the token budget, so every batch of a
+    width has one shape. `longest`: the batch's longest side in tokens, EOS (or BOS) counted."""
+    width = bucket_width(longest)
+    return max(1, max_tokens // width), width
+
+
+def _side(ids: np.ndarray, offsets: np.ndarray, indices: np.ndarray, shape: tuple[int, int],
+          bos: bool, eos: bool) -> torch.Tensor:
+    """One side of a batch as a (rows, width) int64 tensor, built with array operations over the
+    memory-mapped ids (no loop over sentences): [BOS] + ids + [EOS], then padding, and rows past the
+    batch's own all padding."""
+    starts = np.asarray(offsets[indices], dtype=np.int64)
+    lengths = np.asarray(offsets[indices + 1], dtype=np.int64) - starts
+    out = np.full(shape, PAD_ID, dtype=np.int64)
+    rows = np.arange(len(indices))
+    columns = np.arange(shape[1]) - int(bos)  # position within the sentence's own ids
+    inside = (columns >= 0) & (columns < lengths[:, None])
+    body = out[: len(indices)]
+    body[inside] = ids[(starts[:, None] + columns)[inside]]
+    if bos:
+        body[:, 0] = BOS_ID
+    if eos:
+        body[rows, lengths + int(bos)] = EOS_ID
+    return torch.from_numpy(out)
+
+
+def collate(corpus, indices: np.ndarray, multiple: int = 1,
+            shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Padded tensors for a batch of pairs: source + EOS, BOS + target (decoder input), target + EOS.
-    `corpus` gives pair i's token ids as corpus.src(i) and corpus.tgt(i)."""
-    tgts = [np.asarray(corpus.tgt(i), dtype=np.int64) for i in indices]
-    return (pad([np.append(corpus.src(i), EOS_ID) for i in indices], multiple=multiple),
-            pad([np.concatenate([[BOS_ID], t]) for t in tgts], multiple=multiple),
-            pad([np.append(t, EOS_ID) for t in tgts], multiple=multiple))
+    Each side as wide as its longest sentence rounded up to a multiple of `multiple` (8 on GPUs:
+    tensor-core tiles), or both sides `shape` (rows, width): rows past the batch's own hold a source of
+    EOS alone (a key to attend to, so no attention row is empty) and no target.
+    `corpus` holds flat ids and offsets per side (src_ids, src_offsets, tgt_ids, tgt_offsets), sentence
+    i being ids[offsets[i]:offsets[i + 1]], as the encode stage writes them; the result is on the host."""
+    indices = np.asarray(indices, dtype=np.int64)
+    src_len = np.asarray(corpus.src_offsets[indices + 1]) - np.asarray(corpus.src_offsets[indices])
+    tgt_len = np.asarray(corpus.tgt_offsets[indices + 1]) - np.asarray(corpus.tgt_offsets[indices])
+    if shape is None:
+        src_shape, tgt_shape = ((len(indices), -(-(int(n.max(initial=0)) + 1) // multiple) * multiple)
+                                for n in (src_len, tgt_len))
+    elif shape[0] < len(indices) or shape[1] <= max(int(src_len.max(initial=0)), int(tgt_len.max(initial=0))):
+        raise ValueError(f"a batch of {len(indices)} pairs up to {max(src_len.max(), tgt_len.max()) + 1} tokens "
+                         f"does not fit the shape {shape}")
+    else:
+        src_shape = tgt_shape = shape
+    src = _side(corpus.src_ids, corpus.src_offsets, indices, src_shape, bos=False, eos=True)
+    src[len(indices) :, 0] = EOS_ID
+    return (src,
+            _side(corpus.tgt_ids, corpus.tgt_offsets, indices, tgt_shape, bos=True, eos=False),
+            _side(corpus.tgt_ids, corpus.tgt_offsets, indices, tgt_shape, bos=False, eos=True))
 
 
 class Prefetcher(Generic[T]):

@@ -127,7 +127,9 @@ class TrainParams:
     label_smoothing: float
     clip_norm: float  # 0: no clipping, as the paper
     precision: Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16 on GPUs that have it, else fp32
-    compile: bool  # torch.compile the model, for dynamic shapes: one graph whatever the batch's lengths
+    compile: bool  # torch.compile the step's model and loss together, with dynamic shapes: one graph for all lengths
+    cuda_graphs: bool  # replay the compiled step as CUDA graphs, one a batch shape: GPUs, compile and shapes buckets
+    shapes: Literal["exact", "buckets"]  # a batch padded to its longest pair, or to one of a few shapes (batching.py)
     seed: int
     log_every: int  # steps
     validate_every: int  # steps
@@ -152,6 +154,9 @@ class TrainParams:
         check(self.adam_eps > 0, "adam_eps", f"must be positive, not {self.adam_eps}")
         check(self.lr_scale > 0, "lr_scale", f"must be positive, not {self.lr_scale}")
         check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), not {self.label_smoothing}")
+        check(not self.cuda_graphs or (self.compile and self.shapes == "buckets"), "cuda_graphs",
+              "replays the compiled step, one graph a batch shape: it needs train.compile true and train.shapes "
+              "buckets (a bounded set of shapes)")
 
 
 @dataclass(frozen=True)

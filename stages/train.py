@@ -10,6 +10,7 @@ exactly as if never stopped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import signal
 import time
@@ -20,11 +21,11 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import extract_model_from_parallel, gather_object, set_seed
 from tqdm import tqdm
 
 from stages import vocab
-from stages.batching import collate, token_batches
+from stages.batching import token_batches
 from stages.checkpoint import Checkpointer, Processes, Schedule, Stateful, recorded_split, setup_dir
 from stages.devices import default_device, mixed_precision, peak_flops, processes, use_fast_attention
 from stages.encode import ParallelIds
@@ -33,8 +34,8 @@ from stages.model_files import ModelMeta, read_model
 from stages.params import TrainParams
 from stages.train_inputs import StepInputs, StepStream, training_sampler, within_positions
 from stages.train_metrics import MetricsWindow, Progress, StepMetrics, progress_line, summary, write_curves
-from stages.train_state import ModelState, OptimizerState, ScalerState, SchedulerState, StopRequest, Topology, \
-    micro_batch_seed
+from stages.train_state import Agreed, Agreement, ModelState, OptimizerState, ScalerState, SchedulerState, \
+    StopRequest, Topology, micro_batch_seed
 from transformer.config import TransformerConfig
 from transformer.loss import label_smoothed_nll_loss
 from transformer.model import Transformer
@@ -46,7 +47,8 @@ MetricsLogger = Callable[[dict[str, float], int], None]
 # Train parameters that may change between a run and its resumption: they do not alter the updates.
 # The processes may change, the micro-batches a step kept (the checkpoints' topology checks it).
 RESUMABLE_CHANGES = {"max_steps", "log_every", "validate_every", "checkpoint_every_steps",
-                     "checkpoint_every_minutes", "keep_checkpoints", "compile", "processes", "micro_batches"}
+                     "checkpoint_every_minutes", "keep_checkpoints", "compile", "cuda_graphs", "processes",
+                     "micro_batches"}
 
 
 def run_identity(model_config: TransformerConfig, params: TrainParams, encoded_dir: Path, vocab_dir: Path,
@@ -75,11 +77,19 @@ def micro_batches(setting: int | str, processes: int, recorded: int | None = Non
 
 @dataclass(frozen=True)
 class StepResult:
-    """One optimizer step: its figures, and what every process agreed at its end."""
+    """One optimizer step: its figures, and what every process agreed (read one step late, or at
+    this step where the loop settled it)."""
 
     metrics: StepMetrics
     stop: int  # the signal any process was asked to stop by; 0: none
     snapshot_due: bool  # the main process's clock says a snapshot is due
+
+
+def forward_loss(model: torch.nn.Module, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor,
+                 epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch's summed (smoothed loss, nll): the model and its loss in one function, which
+    train.compile compiles as one graph (the logits never leave it in another precision)."""
+    return label_smoothed_nll_loss(model(src, tgt_in), tgt_out, epsilon, vocab.PAD_ID)
 
 
 class Trainer:
@@ -98,10 +108,12 @@ class Trainer:
         corpus, self.dev = ParallelIds(encoded_dir, "train"), ParallelIds(encoded_dir, "dev")
         if len(corpus) == 0:
             raise PipelineError(f"{encoded_dir}: the training set is empty")
+        bucketed = params.shapes == "buckets"
         self.sampler, self.micro_tokens, self.dropped = training_sampler(
-            corpus, params.batch_tokens, self.grad_accum, params.seed, world, rank, model_config.max_positions)
+            corpus, params.batch_tokens, self.grad_accum, params.seed, world, rank, model_config.max_positions,
+            bucketed)
         dev_batches, _ = token_batches(self.dev.src_lengths, self.dev.tgt_lengths, self.micro_tokens, None,
-                                       within_positions(self.dev, model_config.max_positions))
+                                       within_positions(self.dev, model_config.max_positions), bucketed)
         self.dev_batches = dev_batches[rank::world]
 
         model = Transformer(model_config, vocab.load(vocab_dir).get_piece_size(), vocab.PAD_ID)
@@ -112,18 +124,30 @@ class Trainer:
         on_gpu = accelerator.device.type == "cuda"
         if on_gpu:
             use_fast_attention()
+        elif params.cuda_graphs:
+            raise PipelineError(f"train.cuda_graphs replays the step on a GPU, and this process trains on "
+                                f"{accelerator.device}: set it to false")
         self.inputs = StepInputs(corpus, model_config, model.vocab_size, self.grad_accum, rank,
-                                 pad_multiple=8 if on_gpu else 1, pin=on_gpu)
+                                 pad_multiple=8 if on_gpu else 1, pin=on_gpu,
+                                 bucket_budget=self.micro_tokens if bucketed else None)
         self.stream: StepStream | None = None  # started at the first step, after any resume
         self.peak = peak_flops(accelerator.device, accelerator.mixed_precision)
         optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=params.adam_betas, eps=params.adam_eps,
                                      fused=True)
         # LambdaLR scales lr=1.0 by lr_scale times the paper's rate; its counter is the number of steps taken so far.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: params.lr_scale * inverse_sqrt_rate(
-            done + 1, model_config.d_model, params.warmup_steps))
+        self.rate = lambda done: params.lr_scale * inverse_sqrt_rate(done + 1, model_config.d_model,
+                                                                     params.warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.rate)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
-        if params.compile:  # after DDP wraps it, as torch recommends; lengths vary every step: dynamic shapes
-            self.model = torch.compile(self.model, dynamic=True)
+        # Under mixed precision, prepare wraps the model's forward to cast its outputs to fp32: a full fp32
+        # copy of the logits and of their gradient. The step runs under acc.autocast() and its loss reads
+        # the logits in their own precision, so the wrapper goes.
+        extract_model_from_parallel(self.model, keep_fp32_wrapper=False)
+        self.forward_loss = forward_loss
+        if params.compile:  # after DDP wraps the model, as torch recommends; one graph for every batch shape
+            self.forward_loss = torch.compile(forward_loss, dynamic=True,
+                                              mode="reduce-overhead" if params.cuda_graphs else None)
+        self.agreement = Agreement(accelerator.device, world, rank, lambda t: accelerator.reduce(t, "sum"))
         self.progress = Progress()
         self.identity = identity or run_identity(model_config, params, encoded_dir, vocab_dir, init_weights)
 
@@ -133,7 +157,7 @@ class Trainer:
         place depends on."""
         acc = self.acc
         return {"topology": Topology(acc.num_processes, self.grad_accum, acc.print),
-                "model": ModelState(lambda: acc.unwrap_model(self.model, keep_torch_compile=False)),
+                "model": ModelState(lambda: acc.unwrap_model(self.model)),
                 "optimizer": OptimizerState(self.optimizer), "scheduler": SchedulerState(self.scheduler),
                 "sampler": self.sampler, "progress": self,
                 **({"scaler": ScalerState(acc.scaler)} if acc.scaler is not None else {})}
@@ -156,11 +180,12 @@ class Trainer:
 
     # -- one optimizer step ---------------------------------------------------------------------
     def train_step(self, stop: int = 0, late: bool = False) -> StepResult:
-        """One optimizer step. Nothing waits on the device but the step's one agreement: whether the
-        loss is finite (checked before the update), and whether this process was asked to stop
-        (`stop`, a signal number) or its clock says a snapshot is due (`late`); every process learns
-        every process's flags, so all stop, or save, at the same step. Loss sums stay device tensors;
-        token counts come from the host."""
+        """One optimizer step, which never waits on the device. What every process must learn of
+        every other (a loss not finite, `stop`: a signal that asked this one to stop, `late`: its clock
+        says a snapshot is due) is reduced on the device and read one step late (Agreement): the result
+        carries the previous step's, and a previous step whose loss was not finite raises here, its
+        update having been skipped on the device. Loss sums stay device tensors; token counts come
+        from the host."""
         acc, p = self.acc, self.params
         self.model.train()
         if self.stream is None:
@@ -173,50 +198,57 @@ class Trainer:
         for i, batch in enumerate(prepared.micro):
             src, tgt_in, tgt_out = (x.to(acc.device, non_blocking=True) for x in batch)
             last = i == len(prepared.micro) - 1
+            # Seeded outside the compiled step: a CUDA graph reads the generator's seed and offset
+            # when it is replayed, so each micro-batch draws its own masks, captured or not.
             torch.manual_seed(micro_batch_seed(p.seed, self.progress.step, i * acc.num_processes + acc.process_index))
+            if p.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             with contextlib.nullcontext() if last else acc.no_sync(self.model), acc.autocast():
-                logits = self.model(src, tgt_in)
-                loss, nll = label_smoothed_nll_loss(logits, tgt_out, p.label_smoothing, vocab.PAD_ID)
+                loss, nll = self.forward_loss(self.model, src, tgt_in, tgt_out, p.label_smoothing)
                 acc.backward(loss * scale)
             loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
-        nonfinite, stop, late = self._agree(loss_sum, stop, late)
-        if nonfinite:
-            value = float(loss_sum) if acc.process_index in nonfinite else "on another process"
-            raise PipelineError(f"non-finite loss ({value}) at step {self.progress.step + 1} on process "
-                                f"{', '.join(map(str, nonfinite))}; stopped before the optimizer step")
+        self._check(self.agreement.receive())  # the previous step's: copied to the host long ago
+        found_inf = self.agreement.send(self.progress.step + 1, loss_sum, stop, late)
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), p.clip_norm if p.clip_norm > 0 else math.inf)
-        lr = self.scheduler.get_last_lr()[0]
+        if acc.scaler is None:  # fp16's scaler skips steps with non-finite gradients itself
+            self.optimizer.optimizer.found_inf = found_inf  # fused Adam skips the update where it is 1
+        lr = self.rate(self.progress.step)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
         metrics = StepMetrics(loss_sum=loss_sum, nll_sum=nll_sum, lr=lr, grad_norm=grad_norm, data_wait=waited,
                               **asdict(prepared.counts))
-        return StepResult(metrics, stop, late)
+        return StepResult(metrics, self._previous.stop, self._previous.late)
 
-    def _agree(self, loss_sum: torch.Tensor, stop: int, late: bool) -> tuple[list[int], int, bool]:
-        """(processes whose loss is not finite, the signal any process was stopped by, any process
-        late), from one reduction read back to the host: the step's one wait on the device."""
-        acc = self.acc
-        local = torch.stack([torch.isfinite(loss_sum).logical_not().float(), loss_sum.new_full((), float(stop)),
-                             loss_sum.new_full((), float(late))])  # filled on the device: no copy, no wait
-        table = loss_sum.new_zeros(acc.num_processes, 3)
-        table[acc.process_index] = local
-        if acc.num_processes > 1:
-            table = acc.reduce(table, "sum")
-        rows = table.tolist()
-        nonfinite = [r for r, row in enumerate(rows) if row[0]]
-        return nonfinite, max(int(row[1]) for row in rows), any(row[2] for row in rows)
+    def settle(self) -> Agreed:
+        """The last step's agreement now, waiting for it: before a checkpoint is saved and where the run
+        ends, so that no saved or finished run hides a loss that was not finite."""
+        return self._check(self.agreement.receive())
+
+    def _check(self, agreed: Agreed | None) -> Agreed:
+        """`agreed`, kept as the latest known; PipelineError if any process's loss was not finite."""
+        agreed = agreed or Agreed(self.progress.step, {}, 0, False)
+        if agreed.nonfinite:
+            me = self.acc.process_index
+            value = agreed.nonfinite.get(me, "on another process")
+            raise PipelineError(f"non-finite loss ({value}) at step {agreed.step} on process "
+                                f"{', '.join(map(str, agreed.nonfinite))}; its update was skipped and training "
+                                f"stopped there")
+        self._previous = agreed
+        return agreed
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         self.model.eval()
         sums = torch.zeros(3, device=self.acc.device)
+        dev = dataclasses.replace(self.inputs, corpus=self.dev)
         for indices in self.dev_batches:
-            src, tgt_in, tgt_out = (x.to(self.acc.device) for x in collate(self.dev, indices))
+            src, tgt_in, tgt_out = (x.to(self.acc.device, non_blocking=True) for x in dev.collate(indices))
+            if self.params.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             with self.acc.autocast():
-                loss, nll = label_smoothed_nll_loss(self.model(src, tgt_in), tgt_out,
-                                                    self.params.label_smoothing, vocab.PAD_ID)
+                loss, nll = self.forward_loss(self.model, src, tgt_in, tgt_out, self.params.label_smoothing)
             sums += torch.stack([loss.float(), nll.float(), tgt_out.ne(vocab.PAD_ID).sum().float()])
         loss, nll, tokens = self.acc.reduce(sums, "sum").tolist()
         tokens = max(tokens, 1.0)
@@ -299,7 +331,8 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
 
 def _loop(trainer: Trainer, checkpoints: Checkpointer, log: MetricsLogger, request: StopRequest) -> None:
     """Step to max_steps: log a row every log_every steps, validate, save when due; when asked to
-    stop, finish the step, save it and raise Stopped."""
+    stop, finish the step, save it and raise Stopped. Each step learns the step before's agreement;
+    where it saves or ends, it waits for its own."""
     acc, params, progress = trainer.acc, trainer.params, trainer.progress
     window = MetricsWindow(trainer.micro_tokens, trainer.grad_accum, acc.num_processes, trainer.peak)
     with tqdm(total=params.max_steps, initial=progress.step, desc="train", unit=" steps",
@@ -310,6 +343,10 @@ def _loop(trainer: Trainer, checkpoints: Checkpointer, log: MetricsLogger, reque
             window.add(out.metrics, time.perf_counter() - start)
             bar.update(1)
             step = progress.step
+            if step == params.max_steps or out.stop or checkpoints.due(step, out.snapshot_due):
+                agreed = trainer.settle()  # this step's own agreement, before saving or ending
+                out = dataclasses.replace(out, stop=out.stop or agreed.stop,
+                                          snapshot_due=out.snapshot_due or agreed.late)
             if step % params.log_every == 0 or step == params.max_steps or out.stop:
                 row, flops, seconds = window.close(step, out.metrics,
                                                    lambda t: acc.reduce(t.to(acc.device), "sum").cpu())

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stages.batching import BatchSampler, Prefetcher, collate, token_batches
+from stages.batching import BatchSampler, Prefetcher, bucket_shape, collate, token_batches
 from stages.encode import ParallelIds
 from stages.io import PipelineError
 from transformer.config import TransformerConfig
@@ -26,12 +26,13 @@ def within_positions(corpus: ParallelIds, max_positions: int) -> np.ndarray:
 
 
 def training_sampler(corpus: ParallelIds, batch_tokens: int, grad_accum: int, seed: int, world: int,
-                     rank: int, max_positions: int) -> tuple[BatchSampler, int, dict[str, int]]:
+                     rank: int, max_positions: int, bucketed: bool = False) -> tuple[BatchSampler, int, dict[str, int]]:
     """(this process's sampler, tokens per micro-batch, pairs dropped: longer than the model's
-    positions, or alone longer than a micro-batch's budget)."""
+    positions, or alone longer than a micro-batch's budget); `bucketed`: batches that fit their
+    bucket_shape (train.shapes buckets)."""
     micro_tokens = batch_tokens // (world * grad_accum)
     keep = within_positions(corpus, max_positions)
-    batches, over_budget = token_batches(corpus.src_lengths, corpus.tgt_lengths, micro_tokens, seed, keep)
+    batches, over_budget = token_batches(corpus.src_lengths, corpus.tgt_lengths, micro_tokens, seed, keep, bucketed)
     dropped = {"over_positions": int((~keep).sum()), "over_budget": over_budget}
     if not batches:
         raise PipelineError(f"no training pair fits: {dropped['over_budget']} are longer than the batch budget of "
@@ -71,6 +72,16 @@ class StepInputs:
     rank: int
     pad_multiple: int  # 8 on GPUs (tensor-core tiles, fewer shapes to compile for); 1 on CPUs, where it only adds work
     pin: bool  # pinned memory, so the copy to a GPU does not block
+    bucket_budget: int | None = None  # tokens per micro-batch, under train.shapes buckets: batches get bucket_shape
+
+    def collate(self, batch: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`batch`'s tensors on the host, padded as this run pads (to a multiple, or to its bucket_shape)."""
+        c, shape = self.corpus, None
+        if self.bucket_budget is not None:
+            longest = int(max(c.src_lengths[batch].max(), c.tgt_lengths[batch].max())) + 1
+            shape = bucket_shape(longest, self.bucket_budget)
+        tensors = collate(c, batch, self.pad_multiple, shape)
+        return tuple(x.pin_memory() for x in tensors) if self.pin else tensors
 
     def prepare(self, cursor: BatchSampler) -> PreparedStep:
         """The next step's batches from `cursor`: this process's collated, every process's counted."""
@@ -78,9 +89,7 @@ class StepInputs:
         own = [batches[self.rank] for batches in steps]
         c = self.corpus
         global_tokens = sum(int(c.tgt_lengths[b].sum()) + len(b) for batches in steps for b in batches)
-        micro = [collate(c, b, self.pad_multiple) for b in own]
-        if self.pin:
-            micro = [tuple(x.pin_memory() for x in m) for m in micro]
+        micro = [self.collate(b) for b in own]
         src = [c.src_lengths[b] + 1 for b in own]  # + EOS
         tgt = [c.tgt_lengths[b] + 1 for b in own]  # + EOS (or BOS)
         pairs = list(zip(src, tgt, strict=True))

@@ -2,13 +2,15 @@
 optimizer, the schedule, the loss scaler and the step's split over processes (stages/checkpoint.py's
 Stateful parts; the sampler and the Trainer's progress are parts of their own), each of which says
 what is wrong with a saved state before any is loaded. Random draws (dropout) are seeded by the
-micro-batch they are for, so there is no generator state to keep. Also here: how a run is asked to stop.
+micro-batch they are for, so there is no generator state to keep. Also here: how a run is asked to
+stop, and how its processes agree on each step without waiting on the device (Agreement).
 """
 from __future__ import annotations
 
 import signal
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -185,3 +187,56 @@ class StopRequest:
         for s, handler in self._previous.items():
             stopped = isinstance(error, Stopped) and s != signal.SIGINT
             signal.signal(s, signal.SIG_IGN if stopped else handler)
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What every process learned of every process's step `step`."""
+
+    step: int
+    nonfinite: dict[int, float]  # process -> its loss, where it was not finite
+    stop: int  # the signal any process was asked to stop by; 0: none
+    late: bool  # any process's clock says a snapshot is due
+
+
+class Agreement:
+    """The one thing processes must agree on each step (was any loss not finite, was any asked to stop,
+    is a snapshot due), reduced on the device and read back one step late, so that no step waits on
+    the device: by the time step n + 1 is queued, step n's table has long been copied into pinned host
+    memory. The update of a step whose loss was not finite anywhere is skipped on the device
+    (`found_inf`), so the step it is read at has nothing to undo."""
+
+    def __init__(self, device: torch.device, processes: int, rank: int,
+                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.device, self.processes, self.rank, self.reduce = device, processes, rank, reduce
+        on_gpu = device.type == "cuda"
+        self._host = torch.zeros(processes, 4, pin_memory=on_gpu)  # per process: not finite, loss, stop, late
+        self._rows = self._host.numpy()  # the same memory, read without asking torch
+        self._copied = torch.cuda.Event() if on_gpu else None
+        self._pending: int | None = None  # the step whose table is on its way
+
+    def send(self, step: int, loss_sum: torch.Tensor, stop: int, late: bool) -> torch.Tensor:
+        """Start agreeing on `step`; returns found_inf, 1.0 on the device where any process's loss was
+        not finite. Whatever was pending must have been received."""
+        assert self._pending is None, f"step {self._pending}'s agreement was never received"
+        bad = torch.isfinite(loss_sum).logical_not().float()
+        local = torch.stack([bad, loss_sum.float(), bad.new_full((), float(stop)), bad.new_full((), float(late))])
+        table = bad.new_zeros(self.processes, 4)
+        table[self.rank] = local  # filled on the device: no copy, no wait
+        if self.processes > 1:
+            table = self.reduce(table)
+        self._host.copy_(table, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self._pending = step
+        return table[:, 0].amax()
+
+    def receive(self) -> Agreed | None:
+        """The pending step's agreement (waiting for its copy, if it is still under way), or None."""
+        if self._pending is None:
+            return None
+        if self._copied is not None:
+            self._copied.synchronize()
+        rows, step, self._pending = self._rows, self._pending, None
+        return Agreed(step, {r: float(rows[r, 1]) for r in range(self.processes) if rows[r, 0]},
+                      int(rows[:, 2].max()), bool(rows[:, 3].any()))

@@ -1,9 +1,12 @@
-"""The token-budget batch sampler: coverage, determinism, exact resume, sharing over processes."""
+"""The token-budget batch sampler: coverage, determinism, exact resume, sharing over processes; the
+bounded shapes of bucketed batches; collation against a sentence-by-sentence reference."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
-from stages.batching import BatchSampler, collate, token_batches
+from stages.batching import BatchSampler, bucket_shape, bucket_width, collate, token_batches
 
 rng = np.random.default_rng(0)
 SRC = rng.integers(1, 60, 2000)
@@ -99,19 +102,67 @@ def test_a_sampler_state_out_of_its_epoch_is_refused_before_it_loads():
     assert sampler.state_dict() == {"epoch": 0, "batches": 0}
 
 
+def pairs(*sides):
+    """A corpus as the encode stage stores it: per side, ids end to end and sentence offsets."""
+    flat = {}
+    for name, sentences in zip(("src", "tgt"), sides, strict=True):
+        flat[f"{name}_ids"] = np.array([i for s in sentences for i in s], dtype=np.uint16)
+        flat[f"{name}_offsets"] = np.cumsum([0] + [len(s) for s in sentences])
+        flat[f"{name}_lengths"] = np.array([len(s) for s in sentences])
+    return SimpleNamespace(**flat)
+
+
 def test_collate_adds_eos_and_bos_and_pads():
-    class Corpus:
-        def src(self, i):
-            return np.array([[5, 6], [7]][i])
-
-        def tgt(self, i):
-            return np.array([[8], [9, 10, 11]][i])
-
-    src, tgt_in, tgt_out = collate(Corpus(), np.array([0, 1]))
+    src, tgt_in, tgt_out = collate(pairs([[5, 6], [7]], [[8], [9, 10, 11]]), np.array([0, 1]))
     assert src.tolist() == [[5, 6, 3], [7, 3, 0]]
     assert tgt_in.tolist() == [[2, 8, 0, 0], [2, 9, 10, 11]]
     assert tgt_out.tolist() == [[8, 3, 0, 0], [9, 10, 11, 3]]
     assert tgt_in.dtype == torch.long
+    assert [x.shape for x in collate(pairs([[5] * 9], [[6]]), np.array([0]), multiple=8)] == [(1, 16), (1, 8), (1, 8)]
+
+
+def test_collate_to_a_shape_pads_rows_with_a_lone_eos_source_and_no_target():
+    src, tgt_in, tgt_out = collate(pairs([[5, 6], [7]], [[8], [9, 10]]), np.array([1, 0]), shape=(3, 8))
+    assert src.tolist() == [[7, 3, 0, 0, 0, 0, 0, 0], [5, 6, 3, 0, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0, 0, 0]]
+    assert tgt_in.tolist()[:2] == [[2, 9, 10, 0, 0, 0, 0, 0], [2, 8, 0, 0, 0, 0, 0, 0]]
+    assert tgt_out.tolist() == [[9, 10, 3, 0, 0, 0, 0, 0], [8, 3, 0, 0, 0, 0, 0, 0], [0] * 8]
+    with pytest.raises(ValueError, match=r"a batch of 2 pairs up to 3 tokens does not fit the shape \(1, 8\)"):
+        collate(pairs([[5, 6], [7]], [[8], [9, 10]]), np.array([0, 1]), shape=(1, 8))
+
+
+def test_collate_equals_a_sentence_by_sentence_reference():
+    rng = np.random.default_rng(1)
+    sides = [[rng.integers(4, 60000, n).tolist() for n in rng.integers(0, 30, 50)] for _ in range(2)]
+    corpus, batch = pairs(*sides), rng.permutation(50)[:20]
+    src, tgt_in, tgt_out = collate(corpus, batch)
+    for row, i in enumerate(batch):
+        s, t = sides[0][i] + [3], sides[1][i]
+        assert src[row].tolist() == s + [0] * (src.size(1) - len(s))
+        assert tgt_in[row].tolist() == [2] + t + [0] * (tgt_in.size(1) - len(t) - 1)
+        assert tgt_out[row].tolist() == t + [3] + [0] * (tgt_out.size(1) - len(t) - 1)
+
+
+def test_bucket_widths_are_few_and_waste_little():
+    widths = sorted({bucket_width(n) for n in range(1, 257)})
+    assert widths[:9] == [8, 16, 24, 32, 40, 48, 56, 64, 80] and widths[-4:] == [160, 192, 224, 256]
+    assert len(widths) == 16
+    assert all(0 <= bucket_width(n) - n < 8 for n in range(1, 65))
+    assert all(0 <= bucket_width(n) - n < bucket_width(n) / 5 for n in range(65, 5000))
+    assert bucket_shape(30, 1500) == (46, 32) and bucket_shape(200, 1500) == (6, 224)
+
+
+@pytest.mark.parametrize("budget", [500, 2000, 25000])
+def test_bucketed_batches_fit_their_shape_and_cover_every_pair(budget):
+    long_tail = np.concatenate([SRC, rng.integers(60, 240, 100)])
+    tgt = np.clip(long_tail + rng.integers(-5, 6, len(long_tail)), 1, None)
+    batches, dropped = token_batches(long_tail, tgt, budget, seed=1, bucketed=True)
+    assert dropped == 0 and sorted(np.concatenate(batches).tolist()) == list(range(len(long_tail)))
+    shapes = set()
+    for b in batches:
+        rows, width = bucket_shape(int(max(long_tail[b].max(), tgt[b].max())) + 1, budget)
+        assert len(b) <= rows and rows * width <= budget
+        shapes.add((rows, width))
+    assert len(shapes) <= 16
 
 
 def test_every_process_knows_every_process_batches_and_a_copy_moves_alone():
@@ -128,12 +179,11 @@ def test_every_process_knows_every_process_batches_and_a_copy_moves_alone():
     assert [next(behind).tolist() for _ in range(3)] == [next(ranks[0]).tolist() for _ in range(3)]
 
 
-def test_padding_rounds_the_width_up_to_a_multiple():
-    from stages.batching import pad
-
-    assert pad([[5, 6, 7], [8]], multiple=8).shape == (2, 8)
-    assert pad([[5] * 9], multiple=8).shape == (1, 16) and pad([[5] * 9]).shape == (1, 9)
-    assert pad([[5, 6, 7], [8]], multiple=4).tolist() == [[5, 6, 7, 0], [8, 0, 0, 0]]
+def test_padding_rounds_each_side_up_to_a_multiple():
+    src, tgt_in, tgt_out = collate(pairs([[5, 6, 7], [8]], [[5] * 9, [6]]), np.array([0, 1]), multiple=8)
+    assert src.shape == (2, 8) and tgt_in.shape == tgt_out.shape == (2, 16)
+    assert collate(pairs([[5, 6], [8]], [[1], [2]]), np.array([0, 1]), multiple=4)[0].tolist() == \
+        [[5, 6, 3, 0], [8, 3, 0, 0]]
 
 
 def test_the_prefetcher_keeps_order_and_hands_errors_to_the_consumer():

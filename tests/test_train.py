@@ -163,15 +163,39 @@ def test_gradient_accumulation_equals_one_batch_of_the_union(encoded, vocab_dir)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_a_non_finite_loss_stops_before_the_update(encoded, vocab_dir, monkeypatch):
+def test_a_non_finite_loss_skips_its_update_on_the_device_and_stops_the_next_step(encoded, vocab_dir, monkeypatch):
     trainer = _trainer(encoded[0], vocab_dir)
+    trainer.train_step()
     before = [p.detach().clone() for p in trainer.model.parameters()]
+    moments = {k: v.clone() for k, v in trainer.optimizer.optimizer.state_dict()["state"][0].items()}
     monkeypatch.setattr(train, "label_smoothed_nll_loss",
-                        lambda *a, **k: (torch.tensor(float("nan"), requires_grad=True), torch.tensor(0.0)))
-    with pytest.raises(PipelineError, match=r"non-finite loss \(nan\) at step 1 on process 0; stopped before"):
+                        lambda logits, *a: ((logits * float("nan")).sum(), logits.sum().detach()))
+    trainer.train_step()  # step 2: its agreement is read at the next step; its update is skipped meanwhile
+    for p, b in zip(trainer.model.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+    after = trainer.optimizer.optimizer.state_dict()["state"][0]
+    assert all(torch.equal(after[k], v) for k, v in moments.items())  # moments and Adam's own step count too
+    with pytest.raises(PipelineError, match=r"non-finite loss \(nan\) at step 2 on process 0; its update was "
+                                            r"skipped and training stopped there"):
         trainer.train_step()
     for p, b in zip(trainer.model.parameters(), before, strict=True):
         assert torch.equal(p, b)
+    trainer.close()
+
+
+def test_a_run_saves_no_checkpoint_past_a_non_finite_loss(encoded, vocab_dir, tmp_path, monkeypatch):
+    losses = iter([None, float("nan")])  # step 1 as it is, step 2 not finite, which step 2's checkpoint must see
+    loss = train.label_smoothed_nll_loss
+
+    def patched(logits, *args):
+        scale = next(losses, None)
+        total, nll = loss(logits, *args)
+        return (total * scale, nll) if scale is not None else (total, nll)
+    monkeypatch.setattr(train, "label_smoothed_nll_loss", patched)
+    with pytest.raises(PipelineError, match="non-finite loss .* at step 2 on process 0"):
+        train.run(TINY, train_params(max_steps=4), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+                  checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "plots")
+    assert list_checkpoints(current_dir(tmp_path / "c")) == []
 
 
 def test_a_checkpoint_without_a_part_of_the_state_names_the_parts(encoded, vocab_dir, tmp_path):
@@ -289,7 +313,8 @@ def test_averaging_takes_the_step_spaced_checkpoints_not_the_snapshots_between_t
     monkeypatch.setattr(Checkpointer, "save", spy)
     train.run(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "c",
               plots_dir=tmp_path / "plots")
-    assert seen == [(1, True), (2, True), (3, False), (4, True), (5, True), (6, False), (7, True), (8, False)]
+    # The clock's word is agreed one step late: a snapshot follows the step after each save, never on it.
+    assert seen == [(2, True), (3, False), (5, True), (6, False), (8, False)]
     assert [p.name for _, p in list_checkpoints(current_dir(tmp_path / "c"), snapshots=True)] == \
         ["checkpoint-00000006.pt", "checkpoint-00000008.pt"]  # keep 2; every snapshot superseded
     metrics = average.run(average.AverageParams(last=2), checkpoint_dir=tmp_path / "c", out_path=tmp_path / "m.st")
@@ -321,9 +346,11 @@ def test_a_run_resumed_from_a_snapshot_equals_one_never_stopped(encoded, vocab_d
 SYNCS = {"item", "__float__", "__int__", "__bool__", "__index__", "tolist", "nonzero", "numpy", "cpu"}
 
 
-def test_a_step_waits_on_the_device_only_for_its_one_agreement(encoded, vocab_dir):
+def test_only_log_and_save_steps_read_from_the_device(encoded, vocab_dir, tmp_path, monkeypatch):
     """Every call that reads a tensor's value back to the host (or indexes with a boolean mask, which
-    does) during one optimizer step with gradient accumulation, watched as torch dispatches them."""
+    does), watched as torch dispatches them through a whole run with gradient accumulation: the steps
+    between log rows, validation and checkpoints read nothing (their agreement travels in pinned
+    memory and is read a step late, without torch)."""
     from torch.overrides import TorchFunctionMode
 
     class Watch(TorchFunctionMode):
@@ -339,13 +366,21 @@ def test_a_step_waits_on_the_device_only_for_its_one_agreement(encoded, vocab_di
                 self.reads.append(name)
             return func(*args, **(kwargs or {}))
 
-    trainer = _trainer(encoded[0], vocab_dir, micro_batches=3)
-    trainer.train_step()  # the first starts the prefetch thread (whose host work is not watched)
-    with Watch() as watch:
-        out = trainer.train_step()
-    trainer.close()
-    assert watch.reads == ["tolist"]  # the step's agreement: loss finite? asked to stop? snapshot due?
-    assert isinstance(out.metrics.loss_sum, torch.Tensor) and isinstance(out.metrics.grad_norm, torch.Tensor)
+    watch, step = Watch(), train.Trainer.train_step
+
+    def marked(self, *args, **kwargs):
+        watch.reads.append(self.progress.step + 1)  # what follows happened in (or after) this step
+        return step(self, *args, **kwargs)
+    monkeypatch.setattr(train.Trainer, "train_step", marked)
+    params = train_params(max_steps=6, micro_batches=3, log_every=3, validate_every=6, checkpoint_every_steps=0)
+    with watch:
+        train.run(TINY, params, encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / "c",
+                  plots_dir=tmp_path / "plots")
+    marks = [i for i, entry in enumerate(watch.reads) if isinstance(entry, int)]
+    during = {watch.reads[i]: watch.reads[i + 1 : j] for i, j in zip(marks, marks[1:] + [len(watch.reads)])}
+    assert list(during) == [1, 2, 3, 4, 5, 6]
+    assert during[1] == during[2] == during[4] == during[5] == []
+    assert during[3] and during[6]  # the log rows (and at 6 validation and the last checkpoint) read their figures
 
 
 def test_batches_are_padded_to_a_multiple_of_eight_on_a_gpu_only(encoded, vocab_dir):
@@ -360,7 +395,8 @@ def test_batches_are_padded_to_a_multiple_of_eight_on_a_gpu_only(encoded, vocab_
 
 
 @pytest.mark.slow
-def test_compiled_training_equals_eager_and_compiles_once_for_all_lengths(encoded, vocab_dir, tmp_path):
+@pytest.mark.parametrize("shapes", ["exact", "buckets"])
+def test_compiled_training_equals_eager_and_compiles_once_for_all_lengths(encoded, vocab_dir, tmp_path, shapes):
     from torch._dynamo.utils import counters
 
     from stages.batching import collate
@@ -372,7 +408,7 @@ def test_compiled_training_equals_eager_and_compiles_once_for_all_lengths(encode
     for compiled in (False, True):
         torch._dynamo.reset()
         counters.clear()
-        train.run(config, train_params(max_steps=8, compile=compiled, log_every=1, validate_every=100),
+        train.run(config, train_params(max_steps=8, compile=compiled, shapes=shapes, log_every=1, validate_every=100),
                   encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=tmp_path / str(compiled),
                   plots_dir=tmp_path / "plots")
         graphs = counters["stats"]["unique_graphs"]
@@ -381,12 +417,88 @@ def test_compiled_training_equals_eager_and_compiles_once_for_all_lengths(encode
         models[compiled] = Transformer(config, checkpoint.meta.vocab_size, 0).eval()
         models[compiled].load_state_dict(checkpoint.parts["model"])
     assert graphs <= 2  # training, and validation (eval mode) at the end: not one per batch shape
-    trainer = _trainer(encoded[0], vocab_dir)
-    shapes = {tuple(x.shape for x in trainer.inputs.prepare(trainer.sampler).micro[0]) for _ in range(8)}
-    assert len(shapes) >= 4  # the steps' batches came in several shapes
+    trainer = _trainer(encoded[0], vocab_dir, shapes=shapes)
+    seen = {tuple(x.shape for x in trainer.inputs.prepare(trainer.sampler).micro[0]) for _ in range(8)}
+    assert len(seen) >= 3  # the steps' batches came in several shapes
     assert history[True] == pytest.approx(history[False], rel=1e-4)
     # Weights are compared by what they compute: key biases get no gradient (softmax ignores a constant
     # added to every key's logit), so Adam turns each run's rounding noise there into full-size steps.
     src, tgt_in, _ = collate(ParallelIds(encoded[0], "dev"), np.arange(16))
     with torch.no_grad():
         torch.testing.assert_close(models[True](src, tgt_in), models[False](src, tgt_in), rtol=1e-3, atol=1e-3)
+
+
+# -- bounded shapes, and the logits' precision ----------------------------------------------------
+
+def test_an_epoch_of_bucketed_steps_takes_few_shapes_and_every_pair_once(encoded, vocab_dir):
+    """Over an epoch of the shared WMT14 sample: at most 16 step shapes (what a replayed CUDA graph
+    needs), against a new shape nearly every step when each batch is padded to its longest pair."""
+    shapes = {}
+    for kind in ("exact", "buckets"):
+        trainer = _trainer(encoded[0], vocab_dir, shapes=kind, micro_batches=2)
+        seen, pairs, tokens = set(), [], 0
+        for _ in range(len(trainer.sampler) // 2):
+            batches = [next(trainer.sampler) for _ in range(2)]
+            for batch in batches:
+                tensors = trainer.inputs.collate(batch)
+                seen.add(tuple(x.shape for x in tensors))
+                tokens += int(tensors[2].ne(0).sum())
+                pairs.extend(batch.tolist())
+        corpus = trainer.inputs.corpus
+        assert sorted(pairs) == list(range(len(corpus)))  # every pair once: nothing lost to the shapes
+        assert tokens == int(corpus.tgt_lengths.sum()) + len(corpus)  # every target token (and EOS) counted
+        shapes[kind] = seen
+        trainer.close()
+    assert len(shapes["buckets"]) <= 16 and len(shapes["exact"]) > 4 * len(shapes["buckets"])
+
+
+def test_a_batch_padded_to_its_bucket_gives_the_same_loss_and_gradients(encoded, vocab_dir):
+    from stages.batching import bucket_shape, collate
+    from stages.encode import ParallelIds
+
+    torch.manual_seed(0)
+    corpus = ParallelIds(encoded[0], "dev")
+    model = train.Transformer(dataclasses.replace(TINY, dropout=0.0), 1000, 0)
+    batch = np.arange(10, 30)
+    longest = int(max(corpus.src_lengths[batch].max(), corpus.tgt_lengths[batch].max())) + 1
+    results = []
+    for shape in (None, bucket_shape(longest, 4000)):
+        tensors = collate(corpus, batch, shape=shape)
+        loss, nll = train.forward_loss(model, *tensors, 0.1)
+        model.zero_grad()
+        loss.backward()
+        results.append((loss.detach(), nll.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_a, nll_a, grads_a), (loss_b, nll_b, grads_b) = results
+    assert tensors[0].shape[0] > len(batch)  # rows of padding were added
+    torch.testing.assert_close(loss_a, loss_b) and torch.testing.assert_close(nll_a, nll_b)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_under_bf16_the_loss_reads_the_logits_in_bf16(encoded, vocab_dir, monkeypatch):
+    """Accelerate's prepare would wrap the model to return fp32 (a full copy of the logits)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # one precision a process: this test's, then the others' again
+
+    seen, loss = [], train.label_smoothed_nll_loss
+    monkeypatch.setattr(train, "label_smoothed_nll_loss",
+                        lambda logits, *a: (seen.append(logits.dtype), loss(logits, *a))[1])
+    try:
+        trainer = train.Trainer(TINY, train_params(precision="bf16"), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+                                accelerator=Accelerator(cpu=True, mixed_precision="bf16"))
+        trainer.train_step()
+        trainer.close()
+    finally:
+        AcceleratorState._reset_state(True)
+    assert seen == [torch.bfloat16]
+
+
+def test_cuda_graphs_need_a_gpu_compile_and_buckets(encoded, vocab_dir):
+    with pytest.raises(ValueError, match="needs train.compile true and train.shapes buckets"):
+        train_params(cuda_graphs=True, compile=True)
+    if default_device().type == "cpu":
+        with pytest.raises(PipelineError, match="train.cuda_graphs replays the step on a GPU, and this process "
+                                                "trains on cpu: set it to false"):
+            _trainer(encoded[0], vocab_dir, cuda_graphs=True, compile=True, shapes="buckets")

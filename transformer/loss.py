@@ -4,7 +4,9 @@ With a 37k vocabulary the logits are the largest tensor of a training step, and 
 (log_softmax, gather, mean, and their backward passes) reads and writes it about eight times. Here
 the forward pass reads it once for its log-sum-exp and once for its mean, and the backward pass
 writes the gradient once: softmax minus the smoothed target. Rows are processed in chunks, so fp32
-temporaries stay small whatever the batch and the logits' precision.
+temporaries stay small whatever the batch and the logits' precision. Compiled (torch.compile), it
+is one chunk of elementwise work and reductions, which the compiler fuses into kernels that read the
+logits in their own precision and write their gradient once, with no fp32 copy in between.
 """
 from __future__ import annotations
 
@@ -19,6 +21,15 @@ def _chunk_rows(logits: Tensor) -> int:
     return max(1, elements // logits.size(-1))
 
 
+def _chunks(logits: Tensor) -> list[slice]:
+    """The rows of each chunk; all rows at once when compiled, where nothing between fused kernels is
+    materialised (and a loop over a dynamic row count would fix that count)."""
+    if torch.compiler.is_compiling():
+        return [slice(None)]
+    step = _chunk_rows(logits)
+    return [slice(start, start + step) for start in range(0, logits.size(0), step)]
+
+
 class _SmoothedCrossEntropy(torch.autograd.Function):
     """Everything stays on the device: no value is read back to the host (no `.item()`, no boolean
     indexing), so a training step never waits on the accelerator here."""
@@ -28,11 +39,10 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         # logits (N, V) in any float precision, target (N,)
         lse = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
         mean = torch.empty_like(lse)
-        step = _chunk_rows(logits)
-        for start in range(0, logits.size(0), step):
-            chunk = logits[start : start + step].float()
-            lse[start : start + step] = torch.logsumexp(chunk, dim=-1)
-            mean[start : start + step] = chunk.mean(dim=-1)
+        for rows in _chunks(logits):
+            chunk = logits[rows].float()
+            lse[rows] = torch.logsumexp(chunk, dim=-1)
+            mean[rows] = chunk.mean(dim=-1)
         keep = target.ne(pad_id).float()
         nll = lse - logits.gather(-1, target[:, None]).squeeze(-1).float()  # -log p(reference)
         smooth = lse - mean  # -mean over the vocabulary of log p
@@ -58,15 +68,15 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         shift, sign = lse - on_softmax.abs().log(), on_softmax.sign()
         grad = torch.empty_like(logits)
         work = grad if grad.dtype == torch.float32 else None
-        step = _chunk_rows(logits)
-        for start in range(0, logits.size(0), step):
-            end = min(start + step, logits.size(0))
-            p = torch.sub(logits[start:end].float(), shift[start:end, None],
-                          out=work[start:end] if work is not None else None).exp_()
-            p = torch.addcmul(-uniform[start:end, None], p, sign[start:end, None], out=p)  # sign * p - uniform
-            p.scatter_add_(-1, target[start:end, None], -on_target[start:end, None])
+        for rows in _chunks(logits):
+            p = torch.sub(logits[rows].float(), shift[rows, None], out=work[rows] if work is not None else None).exp_()
+            p = torch.addcmul(-uniform[rows, None], p, sign[rows, None], out=p)  # sign * p - uniform
+            if torch.compiler.is_compiling():  # a comparison fuses into the kernel above; a scatter would not
+                p.sub_((torch.arange(vocab, device=p.device) == target[rows, None]) * on_target[rows, None])
+            else:
+                p.scatter_add_(-1, target[rows, None], -on_target[rows, None])
             if work is None:
-                grad[start:end] = p
+                grad[rows] = p
         return grad, None, None, None
 
 
