@@ -23,27 +23,23 @@ import torch.nn.functional as F
 from stages import export
 from stages.batching import collate, token_batches
 from stages.devices import default_device
+from stages.train import forward_loss
 from stages.vocab import PAD_ID
 from bench.common import SAMPLE, model_config
 from bench.results import record
 from transformer.config import TransformerConfig
-from transformer.loss import label_smoothed_nll_loss
 from transformer.model import Transformer
 
 
 class RandomCorpus:
-    """Pairs of the given lengths with random token ids, as the pipeline's corpus gives them to collate."""
+    """Pairs of the given lengths with random token ids, stored as the encode stage stores a corpus
+    (ids end to end and offsets, per side), which collate reads."""
 
     def __init__(self, src_lengths: np.ndarray, tgt_lengths: np.ndarray, vocab_size: int) -> None:
         rng = np.random.default_rng(0)
-        self.pairs = [(rng.integers(4, vocab_size, s), rng.integers(4, vocab_size, t))
-                      for s, t in zip(src_lengths, tgt_lengths, strict=True)]
-
-    def src(self, i: int) -> np.ndarray:
-        return self.pairs[i][0]
-
-    def tgt(self, i: int) -> np.ndarray:
-        return self.pairs[i][1]
+        for side, lengths in (("src", src_lengths), ("tgt", tgt_lengths)):
+            setattr(self, f"{side}_ids", rng.integers(4, vocab_size, int(lengths.sum())))
+            setattr(self, f"{side}_offsets", np.concatenate([[0], np.cumsum(lengths)]))
 
 
 def batches(batch_tokens: int, vocab_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -55,10 +51,11 @@ def batches(batch_tokens: int, vocab_size: int, count: int) -> list[tuple[torch.
 
 
 def ours(config: TransformerConfig, vocab_size: int):
+    """The train stage's own micro-batch: its model and loss as one function."""
     model = Transformer(config, vocab_size, PAD_ID)
 
     def loss(src, tgt_in, tgt_out):
-        return label_smoothed_nll_loss(model(src, tgt_in), tgt_out, 0.1, PAD_ID)[0]
+        return forward_loss(model, src, tgt_in, tgt_out, 0.1)[0]
     return model, loss
 
 
@@ -94,7 +91,7 @@ def main() -> None:
     for name, build in (("ours", ours), ("MarianMT (transformers)", marian)):
         model, loss_fn = build(config, args.vocab_size)
         model.to(device).train()
-        step_fn = torch.compile(loss_fn) if args.compile else loss_fn
+        step_fn = torch.compile(loss_fn, dynamic=True) if args.compile else loss_fn  # as train.compile does
         runs[name] = (model, step_fn, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
                                                         fused=True))
     times: dict[str, list[float]] = {name: [] for name in runs}

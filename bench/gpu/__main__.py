@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu import FULL, PARTS, SMOKE, Sizes, prepare
+from bench.gpu.throughput import SYSTEMS
 
 OUT_OF_MEMORY = 3  # a part's exit status when the GPU ran out of memory
 ORCHESTRATION = ("mlflow", "prefect", "dvc")
@@ -33,7 +34,7 @@ def run_part(sizes: Sizes, work: Path, part: str, accum: int) -> dict[str, Any]:
         elif kind == "profile":
             from bench.gpu.profile import profile
 
-            result = profile(sizes, work)
+            result = profile(sizes, work, args[0])
         elif kind == "curve":
             from bench.gpu.curves import curve
 
@@ -94,17 +95,19 @@ def table(results: dict[str, Any]) -> str:
             memory = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
             lines.append(f"| {r['model']} | {r['system']} | {r['grad_accum']} | {r['tgt_tokens_per_sec']:,.0f} | "
                          f"{r['tflops']:.3g} | {mfu} | {memory} |")
-        lines += [f"\nours / MarianMT, {m}: {ratio:.2f}x" for m, ratio in results["ours_over_marian"].items()]
+        lines += [""] + [f"{which} / MarianMT: {ratio:.2f}x" for which, ratio in results["over_marian"].items()]
         lines.append("")
-    if r := results.get("profile"):
+    for r in results.get("profile", []):
         busy = r["kernel_seconds_per_step"]
         busy = f", its kernels {busy:.3f} s (the GPU busy {busy / r['step_seconds']:.0%})" if busy is not None else ""
-        lines += [f"Profile, {r['model']}: a step takes {r['step_seconds']:.3f} s without the profiler{busy}; "
-                  f"{r['steps']} steps under it:", "", "```", r["table"], "```", ""]
+        lines += [f"Profile, {r['model']} {r['system']}: a step takes {r['step_seconds']:.3f} s without the "
+                  f"profiler{busy}; {r['steps']} steps under it:", "", "```", r["table"], "```", ""]
     if c := results.get("curves"):
-        lines += [f"bf16 against fp32, {c['model']}, {c['steps']} steps: loss curves agree within "
-                  f"{c['max_relative_difference']:.3%} (limit {c['limit']:.0%}): {'yes' if c['agree'] else 'NO'}; "
-                  f"final loss fp32 {c['final']['fp32']:.3f}, bf16 {c['final']['bf16']:.3f}", ""]
+        finals = ", ".join(f"{name} {loss:.3f}" for name, loss in c["final"].items())
+        within = "; ".join(f"{name} within {d:.3%} ({'yes' if d <= c['limit'] else 'NO'})"
+                           for name, d in c["compared"].items())
+        lines += [f"Loss curves against fp32's, {c['model']}, {c['steps']} steps on the same (bucketed) batches "
+                  f"(limit {c['limit']:.0%}): {within}; final loss {finals}", ""]
     if d := results.get("decode"):
         lines += [f"Decoding, beam 4, {d['sentences']} sentences of newstest2014, weights: {d['weights']}:", "",
                   *d["table"], *[f"{system}: not measured ({why})" for system, why in d["unavailable"].items()],
@@ -129,7 +132,7 @@ def record_results(results: dict[str, Any]) -> None:
                  "target tokens/s": round(r["tgt_tokens_per_sec"]), "TFLOP/s": round(r["tflops"], 1),
                  "MFU": f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", "peak memory (GB)": r["peak_memory_gb"]}
                 for r in throughput],
-               "; ".join(f"{m}: ours / MarianMT {ratio:.2f}x" for m, ratio in results["ours_over_marian"].items()))
+               "; ".join(f"{which} / MarianMT {ratio:.2f}x" for which, ratio in results["over_marian"].items()))
     if d := results.get("decode"):
         record("gpu", f"decode{size}", f"Beam search on the GPU, {d['sentences']} sentences of newstest2014, beam 4, "
                f"weights: {d['weights']}{size}", d["rows"], d["summary"])
@@ -152,6 +155,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("gpu-bench.json"), help="the JSON; the table goes beside (.md)")
     ap.add_argument("--parts", type=lambda text: text.split(","), default=list(PARTS),
                     help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
+    ap.add_argument("--systems", type=lambda text: text.split(","),
+                    help=f"comma-separated, the train steps throughput times: of {', '.join(SYSTEMS)} (the train "
+                    "stage's step settings, bench/gpu/throughput.py) and marian (default: all on a GPU, ours,marian "
+                    "elsewhere); profile takes ours and captured of them, curves captured if named")
     ap.add_argument("--part-timeout", type=float, default=0.0,
                     help="seconds each measurement may take before it is stopped and reported so (0: no limit)")
     ap.add_argument("--work", type=Path, help="keep the prepared data and the trained models here, e.g. to decode "
@@ -166,12 +173,15 @@ def main() -> None:
         ap.error(f"--part-timeout must be 0 (no limit) or more seconds, not {args.part_timeout}")
     if unknown := set(args.parts) - set(PARTS):
         ap.error(f"--parts: unknown {', '.join(sorted(unknown))} (known: {', '.join(PARTS)})")
+    if unknown := set(args.systems or ()) - {*SYSTEMS, "marian"}:
+        ap.error(f"--systems: unknown {', '.join(sorted(unknown))} (known: {', '.join(SYSTEMS)}, marian)")
     sizes = SMOKE if args.smoke else FULL
     if args.part:
         write(args.part_out, json.dumps(run_part(sizes, args.work, args.part, args.accum)))
         return
     import torch
 
+    systems = args.systems or ([*SYSTEMS, "marian"] if torch.cuda.is_available() else ["ours", "marian"])
     start = time.perf_counter()
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                                "smoke": args.smoke, "batch_tokens": sizes.batch_tokens, "torch": torch.__version__,
@@ -193,29 +203,34 @@ def main() -> None:
             if results["prepare"] is None:
                 raise SystemExit(f"bench.gpu: preparing the data failed: {results['errors']['prepare']}")
         if "throughput" in args.parts:
-            results["throughput"], results["ours_over_marian"] = [], {}
+            results["throughput"], results["over_marian"] = [], {}
             for m in sizes.models:
-                for system in ("ours", "marian"):
+                for system in systems:
                     if r := measured("throughput", f"throughput:{m}:{system}"):
                         results["throughput"].append(r)
                         print(f"{m} {system}: {r['tgt_tokens_per_sec']:,.0f} target tokens/s, {r['tflops']:.3g} "
                               f"TFLOP/s, MFU {r['mfu']}, peak {r['peak_memory_gb']} GB", flush=True)
                 rate = {r["system"]: r["tgt_tokens_per_sec"] for r in results["throughput"] if r["model"] == m}
-                if len(rate) == 2:
-                    results["ours_over_marian"][m] = rate["ours"] / rate["marian"]
-        if "profile" in args.parts and (r := measured("profile", "profile")):
-            results["profile"] = r
-            print(r["table"], flush=True)
+                for system in rate.keys() - {"marian"} if "marian" in rate else ():
+                    results["over_marian"][f"{m} {system}"] = rate[system] / rate["marian"]
+        if "profile" in args.parts:
+            results["profile"] = []
+            for system in [s for s in ("ours", "captured") if s in systems]:
+                if r := measured("profile", f"profile:{system}"):
+                    results["profile"].append(r)
+                    print(r["table"], flush=True)
         if "curves" in args.parts:
-            curves = {p: measured("curves", f"curve:{p}") for p in ("fp32", "bf16")}
-            if all(curves.values()):
-                differences = [abs(a - b) / a for a, b in zip(curves["fp32"]["loss"], curves["bf16"]["loss"],
-                                                                strict=True)]
+            names = ["fp32", "bf16", *(["bf16-captured"] if "captured" in systems else [])]
+            curves = {name: measured("curves", f"curve:{name}") for name in names}
+            if curves["fp32"]:
+                compared = {name: max(abs(a - b) / a for a, b in zip(curves["fp32"]["loss"], c["loss"], strict=True))
+                            for name, c in curves.items() if c and name != "fp32"}
                 results["curves"] = {"model": curves["fp32"]["model"], "steps": sizes.curve_steps, "runs": curves,
-                                     "max_relative_difference": max(differences), "limit": 0.03,
-                                     "agree": max(differences) <= 0.03,
-                                     "final": {p: c["loss"][-1] for p, c in curves.items()}}
-                print(f"bf16 against fp32: largest relative difference {max(differences):.3%}", flush=True)
+                                     "compared": compared, "limit": 0.03,
+                                     "agree": all(d <= 0.03 for d in compared.values()),
+                                     "final": {name: c["loss"][-1] for name, c in curves.items() if c}}
+                for name, d in compared.items():
+                    print(f"{name} against fp32: largest relative difference {d:.3%}", flush=True)
         for part in ("decode", "multi30k"):
             if part in args.parts:
                 results[part] = measured(part, part)

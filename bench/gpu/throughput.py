@@ -1,5 +1,6 @@
-"""bench.gpu's throughput part: the train stage's own optimizer step (`Trainer.train_step`) against
-MarianMT of the same shape and precision on the same batches with the same optimizer."""
+"""bench.gpu's throughput part: the train stage's own optimizer step (`Trainer.train_step`), as it
+runs by default and with the step settings of SYSTEMS, against MarianMT of the same shape and
+precision on the same batches with the same optimizer."""
 from __future__ import annotations
 
 import time
@@ -9,6 +10,14 @@ from typing import Any
 from bench.common import model_config, train_params
 from bench.gpu import Sizes
 from stages.train_inputs import BatchCounts
+
+# The train stage's step settings measured, by name; "marian" is MarianMT's step.
+SYSTEMS = {"ours": {},  # as params.yaml has it: eager, each batch padded to its longest pair (a multiple of 8)
+           "compiled": {"compile": True, "shapes": "buckets"},
+           "captured": {"compile": True, "shapes": "buckets", "cuda_graphs": True}}
+# Steps before timing where the step is compiled: a dynamic-shape graph's first calls compile it, and
+# each new bucket shape's first calls record its CUDA graph (a 25k-token step has about a dozen).
+COMPILED_WARMUP = 30
 
 
 def throughput(sizes: Sizes, work: Path, model: str, system: str, accum: int) -> dict[str, Any]:
@@ -20,19 +29,23 @@ def throughput(sizes: Sizes, work: Path, model: str, system: str, accum: int) ->
     device = default_device()
     if device.type == "cuda":
         use_fast_attention()  # for MarianMT too, which also calls scaled_dot_product_attention
-    step, parameters, close = (_ours if system == "ours" else _marian)(sizes, work, model_config(model), accum)
+    if system == "marian":
+        step, parameters, close = _marian(sizes, work, model_config(model), accum)
+    else:
+        step, parameters, close = _ours(sizes, work, model_config(model), accum, SYSTEMS[system])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     tokens = flops = 0
     seconds = 0.0
-    for i in range(sizes.warmup_steps + sizes.timed_steps):
+    warmup = sizes.warmup_steps if not SYSTEMS.get(system) else max(sizes.warmup_steps, COMPILED_WARMUP)
+    for i in range(warmup + sizes.timed_steps):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         counts = step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if i >= sizes.warmup_steps:
+        if i >= warmup:
             seconds += time.perf_counter() - start
             tokens, flops = tokens + counts.tokens, flops + counts.flops
     close()
@@ -43,15 +56,15 @@ def throughput(sizes: Sizes, work: Path, model: str, system: str, accum: int) ->
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
 
 
-def _ours(sizes: Sizes, work: Path, config, accum: int):
-    """The train stage's own optimizer step."""
+def _ours(sizes: Sizes, work: Path, config, accum: int, settings: dict[str, Any]):
+    """The train stage's own optimizer step, with the train settings `settings`."""
     import torch
     from accelerate import Accelerator
 
     from stages import train
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16")
-    trainer = train.Trainer(config, train_params(batch_tokens=sizes.batch_tokens, micro_batches=accum),
+    trainer = train.Trainer(config, train_params(batch_tokens=sizes.batch_tokens, micro_batches=accum, **settings),
                             encoded_dir=work / "encoded", vocab_dir=work / "vocab", accelerator=accelerator)
     return lambda: trainer.train_step().metrics, trainer.n_parameters, trainer.close
 
