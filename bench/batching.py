@@ -1,11 +1,12 @@
-"""Padding and batch fill of the token-budget sampler against random batching, on the same real data.
+"""Padding and batch fill of the token-budget sampler against random batching, on the same real data,
+and what padding to a few bucket shapes (train.shapes buckets, for CUDA graphs) costs on top.
 
     python -m bench.batching [--budgets 3125 2000 1000] [--vocab 8000]
 
 Encodes the shared WMT14 training samples (Europarl and News Commentary, 40k pairs) with a sentencepiece
 BPE model learned on the spot, then builds batches both ways under the same budget (padded tokens per
-side per batch) and prints, for each, the padding fraction of source and target and the batch fill
-(real tokens of the side that binds the budget, over the budget).
+side per batch) and prints, for each, the padding fraction of source and target, the batch fill
+(real tokens of the side that binds the budget, over the budget) and the number of batch shapes.
 The default budgets: the paper's 25k tokens per step split over its 8 GPUs (3125), and two smaller
 ones, closer to the paper's batch-to-corpus ratio on this much smaller corpus.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from stages.batching import token_batches
+from stages.batching import bucket_shape, token_batches
 from bench.common import SHARED
 from bench.results import record
 
@@ -38,14 +39,23 @@ def random_batches(src: np.ndarray, tgt: np.ndarray, budget: int, seed: int) -> 
     return batches + ([np.array(current)] if current else [])
 
 
-def measure(batches: list[np.ndarray], src: np.ndarray, tgt: np.ndarray, budget: int) -> dict[str, float]:
+def measure(batches: list[np.ndarray], src: np.ndarray, tgt: np.ndarray, budget: int,
+            bucketed: bool = False) -> dict[str, float]:
+    """Padding per side, fill and shapes, each batch padded to its longest pair per side or, bucketed,
+    both sides to its bucket_shape."""
+    def shapes(b: np.ndarray) -> tuple[tuple[int, int], tuple[int, int]]:
+        if bucketed:
+            shape = bucket_shape(int(max(src[b].max(), tgt[b].max())) + 1, budget)
+            return shape, shape
+        return (len(b), int(src[b].max() + 1)), (len(b), int(tgt[b].max() + 1))
     real_src = sum(int(src[b].sum() + len(b)) for b in batches)  # + EOS / BOS per sentence
     real_tgt = sum(int(tgt[b].sum() + len(b)) for b in batches)
-    padded_src = sum(len(b) * int(src[b].max() + 1) for b in batches)
-    padded_tgt = sum(len(b) * int(tgt[b].max() + 1) for b in batches)
+    shaped = [shapes(b) for b in batches]
+    padded_src = sum(rows * width for (rows, width), _ in shaped)
+    padded_tgt = sum(rows * width for _, (rows, width) in shaped)
     binding = sum(max(int(src[b].sum()), int(tgt[b].sum())) + len(b) for b in batches)  # the side the budget binds
     return {"batches": len(batches), "src_padding": 1 - real_src / padded_src, "tgt_padding": 1 - real_tgt / padded_tgt,
-            "fill": binding / (len(batches) * budget)}
+            "fill": binding / (len(batches) * budget), "shapes": len(set(shaped))}
 
 
 def main() -> None:
@@ -71,21 +81,24 @@ def main() -> None:
         keep = np.maximum(src, tgt) < budget
         s, t = src[keep], tgt[keep]
         ours = measure(token_batches(s, t, budget, seed=1)[0], s, t, budget)
+        shaped = measure(token_batches(s, t, budget, seed=1, bucketed=True)[0], s, t, budget, bucketed=True)
         peer = measure(random_batches(s, t, budget, seed=1), s, t, budget)
         print(f"\n{len(s)} pairs of the WMT14 training samples, budget {budget} tokens per side per batch")
-        print(f"{'':22}{'batches':>9}{'src padding':>13}{'tgt padding':>13}{'fill':>8}")
-        for name, m in (("token-bucketed (ours)", ours), ("random", peer)):
-            print(f"{name:22}{m['batches']:>9}{m['src_padding']:>13.1%}{m['tgt_padding']:>13.1%}{m['fill']:>8.1%}")
+        print(f"{'':30}{'batches':>9}{'src padding':>13}{'tgt padding':>13}{'fill':>8}{'shapes':>8}")
+        kinds = (("token-bucketed (ours)", ours), ("ours, bucket shapes", shaped), ("random", peer))
+        for name, m in kinds:
+            print(f"{name:30}{m['batches']:>9}{m['src_padding']:>13.1%}{m['tgt_padding']:>13.1%}{m['fill']:>8.1%}"
+                  f"{m['shapes']:>8}")
         print(f"ratio ours/random: batches {ours['batches'] / peer['batches']:.2f}x, "
               f"fill {ours['fill'] / peer['fill']:.2f}x")
         rows += [{"budget": budget, "batching": name, "batches": m["batches"],
                   "source padding": f"{m['src_padding']:.1%}", "target padding": f"{m['tgt_padding']:.1%}",
-                  "fill": f"{m['fill']:.1%}"}
-                 for name, m in (("token-bucketed (ours)", ours), ("random", peer))]
+                  "fill": f"{m['fill']:.1%}", "shapes": m["shapes"]} for name, m in kinds]
     record("batching", f"vocab {args.vocab} budgets {' '.join(map(str, args.budgets))}",
            f"Batches of the WMT14 training samples ({len(src)} pairs), {args.vocab}-piece BPE", rows,
-           "; ".join(f"budget {r['budget']}: ours {r['target padding']} target padding, random "
-                     f"{q['target padding']}" for r, q in zip(rows[::2], rows[1::2])))
+           "; ".join(f"budget {r['budget']}: ours {r['target padding']} target padding ({b['target padding']} "
+                     f"in {b['shapes']} bucket shapes), random {q['target padding']}"
+                     for r, b, q in zip(rows[::3], rows[1::3], rows[2::3])))
 
 if __name__ == "__main__":
     main()
