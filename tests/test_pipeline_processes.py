@@ -3,19 +3,15 @@ in (after test_pipeline and test_pipeline_experiments; its params.yaml is given 
 repro` trains on two workers as torchrun does, bit for bit, and resumes on one with the same batches;
 the Prefect flow trains on two with one MLflow run and its progress artifact, and SIGTERM stops both
 workers after the same step, saved once."""
-import contextlib
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import env_of, newest_runs, run_in, wait_for
-from test_pipeline_stops import _processes_in, _saved
+from conftest import env_of, newest_runs, run_in
+from test_pipeline_stops import _saved, sigterm_a_long_flow
 
 pytestmark = pytest.mark.slow
 SAME = ("loss", "nll", "lr", "grad_norm", "tgt_tokens_per_step")  # what a step computed, not how fast
@@ -122,19 +118,7 @@ def test_the_flow_trains_on_two_workers_and_sigterm_stops_both_after_one_step(ow
     assert artifacts["train-progress"].data == 100 and "of 12, loss" in artifacts["train-progress"].description
     assert "mlflow-train" in artifacts
 
-    before = _saved(repo)
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", "-S", "train.max_steps=200000"], cwd=repo,
-                            env=_env(repo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        wait_for(lambda: _saved(repo) >= before + 6, 300, "the flow's two workers to train")
-        os.kill(proc.pid, signal.SIGTERM)
-        sent = time.monotonic()
-        output, _ = proc.communicate(timeout=180)
-        assert time.monotonic() - sent < 90, output[-3000:]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    output = sigterm_a_long_flow(repo, _env(repo), steps_first=6, limit=90)
     stops = set(re.findall(r"(\[rank1\] )?stopped: stopped by SIGINT after step (\d+),", output))  # each worker's
     steps = {step for _, step in stops}
     assert {rank for rank, _ in stops} == {"", "[rank1] "} and len(steps) == 1, output[-3000:]
@@ -145,6 +129,5 @@ def test_the_flow_trains_on_two_workers_and_sigterm_stops_both_after_one_step(ow
              if s == step]
     assert len(saved) == 1 and _saved(repo) == step  # saved once, the newest
     assert "stopped: every worker stopped after the same step and saved it" in output
-    assert not _processes_in(repo)
     assert {kind: run.info.status for kind, run in newest_runs(repo).items()} == {"stage": "KILLED",
                                                                                     "run_kind": "KILLED"}
