@@ -470,7 +470,8 @@ def test_a_batch_padded_to_its_bucket_gives_the_same_loss_and_gradients(encoded,
         results.append((loss.detach(), nll.detach(), [p.grad.clone() for p in model.parameters()]))
     (loss_a, nll_a, grads_a), (loss_b, nll_b, grads_b) = results
     assert tensors[0].shape[0] > len(batch)  # rows of padding were added
-    torch.testing.assert_close(loss_a, loss_b) and torch.testing.assert_close(nll_a, nll_b)
+    torch.testing.assert_close(loss_a, loss_b)
+    torch.testing.assert_close(nll_a, nll_b)
     for a, b in zip(grads_a, grads_b, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
