@@ -148,6 +148,7 @@ class Trainer:
             self.forward_loss = torch.compile(forward_loss, dynamic=True,
                                               mode="reduce-overhead" if params.cuda_graphs else None)
         self.agreement = Agreement(accelerator.device, world, rank, lambda t: accelerator.reduce(t, "sum"))
+        self._previous = Agreed(0, {}, 0, False)  # the latest agreement read
         self.progress = Progress()
         self.identity = identity or run_identity(model_config, params, encoded_dir, vocab_dir, init_weights)
 

@@ -1,6 +1,8 @@
 """bench.gpu's throughput part: the train stage's own optimizer step (`Trainer.train_step`), as it
 runs by default and with the step settings of SYSTEMS, against MarianMT of the same shape and
-precision on the same batches with the same optimizer."""
+precision with the same optimizer. MarianMT takes the default's batches (each padded to its longest
+pair: its least padding); the bucketed systems take batches of the same budget padded to bucket
+shapes, and all count real target tokens, so the rates compare the work done."""
 from __future__ import annotations
 
 import time
