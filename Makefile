@@ -4,7 +4,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: setup lock quickstart test test-fast repro
+.PHONY: setup lock quickstart test-data test test-fast repro
 
 setup:  ## a virtual environment of requirements.lock's exact versions (torch first: its CPU build here, CUDA on GPU hosts)
 	python3 -m venv $(VENV)
@@ -24,6 +24,10 @@ lock:  ## requirements.lock anew: the newest versions pyproject.toml admits, res
 
 quickstart:  ## the whole pipeline on the bundled corpus, as a Prefect flow over dvc.yaml, in minutes on a CPU
 	$(PY) -m pipeline quickstart
+
+test-data:  ## the real text the tests read (WMT14 test sets and samples, Multi30k; about 50 MB), fetched from its
+            ## public repositories, pinned by commit and checked by sha256, into .test-data (none needed where ../shared/data is)
+	$(PY) -m corpora.shared
 
 test:  ## lint, then the whole suite, as CI runs it (the 20 slowest listed, so a CI log shows where the time goes)
 	$(VENV)/bin/ruff check .

@@ -3,16 +3,15 @@ by the pipeline's own loader from params.yaml and presets (never restated here),
 of a corpus by the pipeline's own vocab and encode stages. Imports no torch, MLflow, Prefect or DVC."""
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from corpora.shared import location
 from pipeline.config import Params
 from pipeline.presets import collect_overrides, layered
 
-# The real WMT14 text beside the checkout (../shared/data), or where SHARED_DATA says; the tests read it too.
-SHARED = Path(os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+SHARED = location()  # the real text the tests read too: ../shared/data, or `make test-data`'s copy
 SAMPLE = SHARED / "wmt14/train-sample/hf-europarl-20k/train"
 NEWSTEST2013 = SHARED / "wmt14/newstest2013/newstest2013"
 NEWSTEST = SHARED / "wmt14/newstest2014-full/newstest2014-deen"

@@ -56,6 +56,19 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
+def portable(arg: str) -> str:
+    """An argument as a command on another machine reads it: a path of the checkout relative to it (the
+    shared data as ../shared/data), any other absolute path as a placeholder for its folder."""
+    if not arg.startswith("/"):
+        return arg
+    path = Path(arg)
+    if path.is_relative_to(ROOT):
+        return str(path.relative_to(ROOT))
+    if path.is_relative_to(ROOT.parent / "shared"):
+        return str(Path("..") / path.relative_to(ROOT.parent))
+    return str(Path("<dir>", *path.parts[-2:]))
+
+
 def record(bench: str, case: str, title: str, rows: list[dict[str, Any]], summary: str,
            results_dir: Path | None = None, argv: list[str] | None = None) -> Path:
     """Write one bench run's figures: `rows` a table (one dict per system or size, the same keys),
@@ -63,7 +76,8 @@ def record(bench: str, case: str, title: str, rows: list[dict[str, Any]], summar
     the bench's other cases (e.g. '20 sentences')."""
     found = machine()
     result = {"bench": bench, "case": case, "title": title, "rows": rows, "summary": summary,
-              "command": " ".join(["python -m", f"bench.{bench}", *(sys.argv[1:] if argv is None else argv)]),
+              "command": " ".join(["python -m", f"bench.{bench}",
+                                   *map(portable, sys.argv[1:] if argv is None else argv)]),
               "machine": found, "commit": _commit(), "date": datetime.date.today().isoformat()}
     where = found["gpu"] or f"{found['cpu']} {found['cores']} cores"
     folder = results_dir or Path(os.environ.get("BENCH_RESULTS", RESULTS))

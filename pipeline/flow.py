@@ -101,7 +101,6 @@ def run_stage(stage: str) -> str | State:
     logger = get_run_logger()
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the stages' python
-    env.setdefault("TQDM_MININTERVAL", "10")
     env["PYTHONUNBUFFERED"] = "1"  # the stage's lines reach the Prefect log as they are printed
     # its own process group, so that a signal to the flow reaches the stage only as the flow passes it on
     proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "--single-item", stage], cwd=config.ROOT,

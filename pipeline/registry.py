@@ -7,6 +7,7 @@ import dataclasses
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from pipeline import dag
 from pipeline.config import ROOT, Params
@@ -40,9 +41,14 @@ def register_model(parent: Tracker, params: Params, test_bleu: float) -> str | N
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "sentencepiece", "safetensors", "numpy",
                               "tqdm"])
     version = str(info.registered_model_version)
-    client = parent.client
-    client.set_model_version_tag(name, version, "test_bleu", f"{test_bleu:.4f}")
+    parent.client.set_model_version_tag(name, version, "test_bleu", f"{test_bleu:.4f}")
+    point_best(parent.client, name)
+    return version
+
+
+def point_best(client: Any, name: str) -> str:
+    """Point the model's alias `best` at its version of highest test BLEU (its `test_bleu` tag); returns it."""
     best = max(client.search_model_versions(f"name = '{name}'"),
                key=lambda v: float(v.tags.get("test_bleu", "-inf")))
     client.set_registered_model_alias(name, "best", best.version)
-    return version
+    return str(best.version)

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from sacremoses import MosesPunctNormalizer
-from tqdm import tqdm
 
 from stages.io import SPLITS, InputPath, OutputPath, PipelineError, chunks, count_pairs, read_manifest, \
     read_train_corpora, require_dir, split_path, write_manifest
 from stages.params import CleanParams
+from stages.progress import Bar
 
 REASONS = ("invalid_utf8", "empty", "too_long", "too_many_characters", "length_ratio", "source_equals_target",
            "duplicate")
@@ -158,7 +158,7 @@ def _clean_split(pool: Any, params: CleanParams, split: str, paths: tuple[Path, 
     results = pool.imap(partial(_process, params=params, filtering=split == "train"),
                         chunks(_raw_pairs(src_path, tgt_path), CHUNK))
     line = 0
-    with tqdm(total=total, desc=f"clean {split}", unit=" pairs", mininterval=2) as bar:
+    with Bar(total=total, desc=f"clean {split}", unit=" pairs", mininterval=2) as bar:
         for chunk in results:
             for src, tgt, reason in chunk:
                 line += 1

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from stages import vocab
 from stages.devices import default_device
@@ -15,6 +14,7 @@ from stages.io import InputPath, OutputPath, PipelineError, atomic_write, read_l
     split_path
 from stages.model_files import read_model
 from stages.params import DecodeParams
+from stages.progress import Bar
 from translate.translator import Translator
 from transformer.model import Transformer
 
@@ -49,7 +49,7 @@ def translate(translator: Translator, sp, lines: list[str], params: DecodeParams
     if cut:
         print(f"warning: {cut} input lines were longer than the model's {limit} positions and were "
               f"cut to that many tokens before translating", file=sys.stderr)
-    with tqdm(total=len(lines), desc=desc, unit=" sentences", mininterval=2, file=sys.stderr) as bar:
+    with Bar(total=len(lines), desc=desc, unit=" sentences", mininterval=2, file=sys.stderr) as bar:
         found = translator.translate_batch(
             encoded, beam_size=params.beam_size, length_penalty=params.length_penalty,
             length_penalty_formula=params.length_penalty_formula, stop=params.stop,

@@ -32,8 +32,8 @@ def processes(setting: int | str) -> int:
 
 def use_fast_attention() -> None:
     """Leave cuDNN's fused attention out of scaled_dot_product_attention when training on GPUs: it
-    builds a plan (with runtime-generated kernels) for each new (batch, length) shape, and
-    token-bucketed batches bring new shapes at nearly every step; the flash and memory-efficient
+    builds a plan (with runtime-generated kernels) for each new (batch, length) shape, and with exact
+    shapes token-bucketed batches bring new shapes at nearly every step; the flash and memory-efficient
     kernels serve every shape without that (`python -m bench.gpu --parts throughput,profile`)."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 

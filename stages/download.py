@@ -14,13 +14,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
 
 from stages import multi30k, wmt14
 from stages.fetch import extract, fetch, open_member
 from stages.io import OutputPath, PipelineError, atomic_write, count_pairs, file_digest, \
     split_path, write_manifest
 from stages.params import DownloadParams, LocalSource
+from stages.progress import Bar
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,8 @@ def _concatenate(corpora: list[Corpus], out_dir: Path, split: str, src_lang: str
         with atomic_write(split_path(out_dir, split, lang), "wb") as out:
             for corpus in corpora:
                 with open(getattr(corpus, side), "rb") as f:
-                    for line in tqdm(f, desc=f"{split} {corpus.name}.{lang}", unit=" lines", mininterval=2,
-                                     total=corpus.expected):
+                    for line in Bar(f, desc=f"{split} {corpus.name}.{lang}", unit=" lines", mininterval=2,
+                                    total=corpus.expected):
                         out.write(line if line.endswith(b"\n") else line + b"\n")
 
 

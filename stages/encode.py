@@ -10,11 +10,11 @@ import os
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from stages import vocab
 from stages.io import SPLITS, InputPath, OutputPath, PipelineError, atomic_write, chunks, count_lines, read_lines, \
     read_manifest, require_dir, split_path, write_manifest
+from stages.progress import Bar
 
 CHUNK = 50_000  # lines encoded per call, so memory stays flat whatever the corpus size
 
@@ -27,7 +27,7 @@ def encode_file(sp, text_path: Path, out_prefix: Path, threads: int | None = Non
     unknown = 0
     tmp_ids = out_prefix.with_name(out_prefix.name + ".ids.tmp")
     with open(tmp_ids, "wb") as f:
-        bar = tqdm(total=count_lines(text_path), desc=f"encode {text_path.name}", unit=" lines", mininterval=2)
+        bar = Bar(total=count_lines(text_path), desc=f"encode {text_path.name}", unit=" lines", mininterval=2)
         for chunk in chunks(read_lines(text_path), CHUNK):
             encoded = sp.encode(chunk, num_threads=threads or os.cpu_count() or 1)
             lengths.extend(len(ids) for ids in encoded)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from tqdm import tqdm
 
 from stages.io import PipelineError
+from stages.progress import Bar
 
 BLOCK = 1 << 20
 
@@ -164,8 +164,8 @@ def _transfer(url: str, part: Path, size: int | None, timeout: float) -> None:
         if have and response.status != 206:
             have = 0  # the server ignored Range and sends the whole file: start over
         total = size or (int(response.headers.get("Content-Length", 0)) + have) or None
-        with open(part, "ab" if have else "wb") as out, tqdm(total=total, initial=have, unit="B", unit_scale=True,
-                                                             desc=part.name[:-5], mininterval=2) as bar:
+        with open(part, "ab" if have else "wb") as out, Bar(total=total, initial=have, unit="B", unit_scale=True,
+                                                            desc=part.name[:-5], mininterval=2) as bar:
             for block in iter(lambda: response.read(BLOCK), b""):
                 out.write(block)
                 bar.update(len(block))

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import extract_model_from_parallel, gather_object, set_seed
-from tqdm import tqdm
 
 from stages import vocab
 from stages.batching import token_batches
@@ -32,6 +31,7 @@ from stages.encode import ParallelIds
 from stages.io import InputPath, OutputPath, PipelineError, Stopped, file_digest, require_dir
 from stages.model_files import ModelMeta, read_model
 from stages.params import TrainParams
+from stages.progress import Bar
 from stages.train_inputs import StepInputs, StepStream, training_sampler, within_positions
 from stages.train_metrics import MetricsWindow, Progress, StepMetrics, progress_line, summary, write_curves
 from stages.train_state import Agreed, Agreement, ModelState, OptimizerState, ScalerState, SchedulerState, \
@@ -336,8 +336,8 @@ def _loop(trainer: Trainer, checkpoints: Checkpointer, log: MetricsLogger, reque
     where it saves or ends, it waits for its own."""
     acc, params, progress = trainer.acc, trainer.params, trainer.progress
     window = MetricsWindow(trainer.micro_tokens, trainer.grad_accum, acc.num_processes, trainer.peak)
-    with tqdm(total=params.max_steps, initial=progress.step, desc="train", unit=" steps",
-              disable=not acc.is_main_process, mininterval=2) as bar:  # closed before any error is said
+    with Bar(total=params.max_steps, initial=progress.step, desc="train", unit=" steps",
+             disable=not acc.is_main_process, mininterval=2) as bar:  # closed before any error is said
         while progress.step < params.max_steps:
             start = time.perf_counter()
             out = trainer.train_step(stop=request.signum, late=checkpoints.late())
@@ -354,7 +354,7 @@ def _loop(trainer: Trainer, checkpoints: Checkpointer, log: MetricsLogger, reque
                 progress.record(row, flops, seconds)
                 log({k: v for k, v in progress.history[-1].items() if k != "step"}, step)
                 if acc.is_main_process:
-                    tqdm.write(progress_line(row, params.max_steps))
+                    Bar.write(progress_line(row, params.max_steps))
                 bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}",
                                 tok_s=f"{row['tgt_tokens_per_sec']:.0f}")
             if (step % params.validate_every == 0 or step == params.max_steps) and not out.stop:

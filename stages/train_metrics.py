@@ -119,9 +119,12 @@ class MetricsWindow:
         return out
 
 
+CURVE_FILES = ("train.csv", "valid.csv")  # what the train stage writes in its plots folder
+
+
 def write_curves(plots_dir: str | Path, progress: Progress) -> None:
     """<plots_dir>/train.csv and valid.csv, one row per logged step, for `dvc plots`."""
-    for name, rows in (("train.csv", progress.history), ("valid.csv", progress.valid_history)):
+    for name, rows in zip(CURVE_FILES, (progress.history, progress.valid_history), strict=True):
         with atomic_write(Path(plots_dir) / name) as f:
             if rows:
                 writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -79,9 +79,9 @@ _SEGMENT = re.compile(r"<seg[^>]*>(.*)</seg>", re.IGNORECASE)
 _ENTITY = re.compile(r"&(#[0-9]+|#[xX][0-9a-fA-F]+|[a-zA-Z][a-zA-Z0-9]*);")
 
 
-def sgml_segments(path: Path) -> Iterator[str]:
-    """The text of every <seg> of an SGML (or XML) test set, in document order, entities decoded,
-    surrounding ASCII whitespace stripped."""
+def sgml_segments(path: Path, decode: bool = True) -> Iterator[str]:
+    """The text of every <seg> of an SGML (or XML) test set, in document order, surrounding ASCII
+    whitespace stripped, entities decoded (or, without `decode`, left as written)."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if "<seg" not in line.lower():
@@ -89,4 +89,5 @@ def sgml_segments(path: Path) -> Iterator[str]:
             match = _SEGMENT.search(line)
             if match is None:
                 raise PipelineError(f"{path}:{number}: a <seg> without its closing </seg> on the same line")
-            yield _ENTITY.sub(lambda m: html.unescape(m.group(0)), match.group(1)).strip(ASCII_SPACE)
+            text = match.group(1)
+            yield (_ENTITY.sub(lambda m: html.unescape(m.group(0)), text) if decode else text).strip(ASCII_SPACE)

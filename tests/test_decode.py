@@ -102,10 +102,10 @@ def test_export_refuses_what_marian_cannot_express(trained, vocab_dir, tmp_path)
 def test_translate_command_reads_a_file_or_stdin_and_warns_of_cut_lines(averaged, vocab_dir, cleaned, tmp_path,
                                                                        capsys, monkeypatch):
     lines = list(read_lines(cleaned[0] / "dev.en"))[:5] + ["word " * 600]  # longer than the 512 positions
-    (tmp_path / "in.en").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "news.en").write_text("\n".join(lines) + "\n", encoding="utf-8")
     args = ["translate", "--model", str(averaged[0]), "--vocab-dir", str(vocab_dir), "-S", "decode.beam_size=2",
             "-S", "decode.max_length_extra=3"]
-    assert cli.main([*args, str(tmp_path / "in.en")]) == 0
+    assert cli.main([*args, str(tmp_path / "news.en")]) == 0
     out, err = capsys.readouterr()
     params = decode.DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
                                  max_length_extra=3, batch_tokens=8000)

@@ -1,11 +1,23 @@
 """The documentation stays current: the performance page is what the bench results render, the
-README stays a guide (not a log), and every page it links to exists."""
+README stays a guide (not a log), every page it links to exists, and every command of the README and
+docs/ parses as its program's parser would take it, naming presets, parameters and files that exist."""
 from __future__ import annotations
 
+import argparse
+import contextlib
+import functools
+import importlib
+import io
 import re
+import shlex
+import sys
 from pathlib import Path
 
+import pytest
+import yaml
+
 from bench import results
+from pipeline import cli, dag, presets, stage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,19 +44,172 @@ def test_the_readme_is_a_guide_of_at_most_350_lines_whose_links_exist():
         assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
 
 
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TOP = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")}
+
+
+def shell_blocks(page: Path) -> list[str]:
+    return [body for kind, body in re.findall(r"```(\w*)\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
+            if kind in ("", "bash", "sh")]
+
+
+def commands(block: str) -> list[list[str]]:
+    """The block's commands, each as its words: comments dropped, continued lines joined, `&&` and `|`
+    split, leading VAR=value assignments dropped."""
+    text = re.sub(r"\\\n\s*", " ", block)
+    out = []
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        lexer = shlex.shlex(line.split("  #")[0], posix=True, punctuation_chars=";&|()")
+        lexer.whitespace_split = True
+        words: list[str] = []
+        for word in [*lexer, "&&"]:
+            if word not in ("&&", "||", "|", ";", "(", ")", "$"):
+                words.append(word)
+                continue
+            while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+                words.pop(0)
+            if words:
+                out.append(words)
+            words = []
+    return out
+
+
+class _Parsed(Exception):
+    pass
+
+
+def parse_python_module(module: str, argv: list[str]) -> argparse.Namespace | None:
+    """What the module's own parser makes of `argv` (its main stopped right after parsing)."""
+    if module in ("pipeline", "pipeline.stage"):
+        if argv and argv[0] in dag.stage_descriptions():
+            c = stage.contract(argv[0])
+            return stage.parser(c, "stage").parse_args(argv[1:])
+        return cli.build_parser().parse_args(argv)
+    main = importlib.import_module(module if module != "bench.gpu" else "bench.gpu.__main__").main
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    sys_argv = sys.argv
+    try:
+        sys.argv = [module, *argv]
+        argparse.ArgumentParser.parse_args = parse_then_stop
+        if "parse_args" not in Path(sys.modules[main.__module__].__file__).read_text(encoding="utf-8"):
+            assert not argv, f"python -m {module} takes no arguments"
+            return None
+        main()
+    except _Parsed as parsed:
+        return parsed.args[0]
+    finally:
+        argparse.ArgumentParser.parse_args = original
+        sys.argv = sys_argv
+    raise AssertionError(f"python -m {module}: its main returned without parsing arguments")
+
+
+def check_overrides(named: list[str], overrides: list[str]) -> None:
+    """Presets that exist, and overrides whose keys and values params.yaml's loader accepts."""
+    presets.layered(presets.collect_overrides(named, overrides))
+
+
+@functools.cache
+def dag_outputs() -> frozenset[str]:
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))
+    named = {out if isinstance(out, str) else next(iter(out)) for s in dvc["stages"].values()
+             for key in ("outs", "plots", "metrics") for out in s.get(key, [])}
+    paths = dag.paths()
+    return frozenset(re.sub(r"\$\{paths\.(\w+)\}", lambda m: paths[m[1]], out) for out in named)
+
+
+def check_paths(words: list[str], written: set[str]) -> None:
+    """A path of the repository's folders exists; one under the DAG's outputs is one of them (or under
+    one, or written by an earlier command of the block); no absolute path of this machine."""
+    outputs = dag_outputs() | written
+    checked = TOP | {o.split("/")[0] for o in dag_outputs()}
+    for word in words:
+        for path in re.findall(r"(?:^|=)([\w.-]+/[\w./<>-]*)", word):
+            if "<" in path or "://" in word:
+                continue
+            if path.split("/")[0] in checked and not any(path == o or path.startswith(o.rstrip("/") + "/")
+                                                     for o in outputs):
+                assert (ROOT / path).exists(), f"{path} does not exist"
+        assert str(ROOT.parent) not in word and str(Path.home()) + "/" not in word, f"an absolute path: {word}"
+
+
+def check_command(words: list[str], written: set[str]) -> None:
+    if words[0] in ("torchrun", "accelerate", "srun") and "-m" in words:
+        words = ["python", *words[words.index("-m"):]]
+    check_paths(words, written)
+    if "..." in words:  # elided on purpose: its paths are checked, not its arguments
+        return
+    if words[0] == "make":
+        targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(encoding="utf-8"), re.M)
+        assert all(t in targets for t in words[1:]), f"no make target {words[1:]}"
+    elif words[0] == "dvc":
+        from dvc.cli import parse_args
+
+        args = parse_args(words[1:])
+        if getattr(args, "set_param", None):
+            check_overrides([], args.set_param)
+    elif words[:2] == ["python", "-m"] and words[2] != "pytest":
+        args = parse_python_module(words[2], words[3:])
+        if args is not None and hasattr(args, "overrides"):
+            if getattr(args, "command", None) == "translate":
+                check_overrides([], args.overrides)
+            else:
+                check_overrides(getattr(args, "preset", None) or getattr(args, "names", None) or [], args.overrides)
+        for out in ("out_dir", "out_path", "checkpoint_dir", "plots_dir", "metrics"):
+            if args is not None and getattr(args, out, None) is not None:
+                written.add(str(getattr(args, out)))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_command_of_the_docs_parses_as_its_program_takes_it(page):
+    blocks = shell_blocks(page)
+    for block in blocks:
+        written: set[str] = set()
+        for words in commands(block):
+            try:
+                with contextlib.redirect_stderr(io.StringIO()) as err:
+                    check_command(words, written)
+            except (SystemExit, Exception) as e:  # noqa: BLE001 - argparse exits; dvc's parser raises
+                pytest.fail(f"{page.name}: {shlex.join(words)}: {e} {err.getvalue()[-300:]}")
+
+
+def test_a_wrong_command_in_the_docs_is_caught():
+    """The check above fails for a misspelled flag, an unknown preset or key, a missing file."""
+    for wrong in ("python -m pipeline run --presets multi30k", "python -m pipeline run --preset multi31k",
+                  "python -m pipeline run -S train.max_stepz=3", "dvc exp run --bogus",
+                  "python -m bench.collate --bogus 3", "make tests", "bash bench/gpu/check.py speed",
+                  "python -m pipeline vocab --clean-dir data/cleaned --out-dir my/vocab"):
+        with pytest.raises((SystemExit, Exception)), contextlib.redirect_stderr(io.StringIO()):
+            check_command(shlex.split(wrong), set())
+            print(f"not caught: {wrong}")
+
+
 def test_every_shell_block_of_the_readme_says_what_runs_it():
-    """A block runs in the test it names (which must exist and hold its commands), or says it needs a
-    GPU or a server, or that it is long; text blocks are output, not commands."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"```(\w*)\n(.*?)```", readme, re.S)
-    shell = [body for kind, body in blocks if kind == ""]
+    """A block runs in the file it names, which holds each of its commands (a shell script line for
+    line; a test as the words it passes, or by reading the block itself), or says it needs a GPU or a
+    server, or that it is long; text blocks are output, not commands."""
+    shell = shell_blocks(ROOT / "README.md")
     assert len(shell) >= 8
     for body in shell:
-        first, *lines = body.splitlines()
+        first = body.splitlines()[0]
         if first.startswith(("# needs a GPU", "# needs a server", "# long:")):
             continue
         assert first.startswith("# run by "), f"a README block without a marker:\n{body}"
-        runner = (ROOT / first.removeprefix("# run by ")).read_text(encoding="utf-8")
-        for line in lines:
-            for tool, sub in re.findall(r"\b(make|pipeline|dvc) (\w+)", line.split("  #")[0]):
-                assert f"{tool} {sub}" in runner or f'"{sub}"' in runner, f"{first}: does not run {tool} {sub}"
+        name = first.removeprefix("# run by ")
+        runner = (ROOT / name).read_text(encoding="utf-8")
+        if first in runner:  # the runner reads this block out of the README and runs it
+            continue
+        for words in commands(body):
+            if words[0] not in ("python", "dvc", "make"):
+                continue
+            if name.endswith(".py"):
+                words = [w for w in words[3 if words[:2] == ["python", "-m"] else 0:] if "<" not in w]
+                missing = [w for w in words if f'"{w}"' not in runner and f"'{w}'" not in runner]
+            else:
+                missing = [] if re.search(rf"^{re.escape(shlex.join(words))}\b", runner, re.M) else words
+            assert not missing, f"{name} does not run `{shlex.join(words)}`: {missing} not in it"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from corpora import shared as corpora_shared
 from stages import download, multi30k, wmt14
 from stages.params import DownloadParams, LocalSource, Multi30kSource, Wmt14Source
 from stages.fetch import Archive, extract, fetch, is_verified
@@ -306,3 +307,52 @@ def test_multi30k_mirrors_are_tried_in_order_before_the_repository(multi30k_serv
 def test_multi30k_has_three_languages():
     with pytest.raises(ValueError, match="multi30k has en, de, fr, not cs"):
         multi30k_params(Path("."), "en", "cs")
+
+
+# -- make test-data: the shared folder's files from their repositories, served here from ../shared/data ---------
+
+@pytest.fixture
+def repositories(server, shared, monkeypatch):
+    """Every source file of the test data at its repository address on the loopback server (Multi30k's
+    gzipped here); the official addresses point there, so nothing leaves 127.0.0.1."""
+    monkeypatch.setattr(multi30k, "BASE", multi30k.BASE.replace(corpora_shared.RAW, f"{server.base}/raw"))
+    monkeypatch.setattr(corpora_shared, "RAW", f"{server.base}/raw")
+    for file in corpora_shared.files():
+        if file.source is not None:
+            text = (shared / file.path).read_bytes()
+            path = file.source.url.removeprefix(server.base)
+            server.files[path] = gzip.compress(text) if path.endswith(".gz") else text
+    return server
+
+
+def test_make_test_data_fetches_the_shared_layout_byte_for_byte(repositories, shared, tmp_path):
+    out = tmp_path / "data"
+    assert corpora_shared.fetch_all(out) == {"fetched": 94, "present": 0}
+    made = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert made == sorted(f.path for f in corpora_shared.files())  # nothing left over: no .part, no downloads
+    for path in made:
+        assert (out / path).read_bytes() == (shared / path).read_bytes(), path
+    requests = len(repositories.requests)
+    assert corpora_shared.fetch_all(out) == {"fetched": 0, "present": 94}  # checked by hash, not fetched again
+    assert len(repositories.requests) == requests
+
+
+def test_make_test_data_names_a_file_that_fails_and_keeps_the_rest(repositories, tmp_path):
+    out = tmp_path / "data"
+    bad = next(f for f in corpora_shared.files() if f.path.endswith("newstest2014-deen-src.en.sgm"))
+    repositories.corrupt.add(bad.source.url.removeprefix(repositories.base))
+    with pytest.raises(PipelineError, match=rf"^{bad.path}: could not fetch a valid newstest2014-deen-src.en.sgm"):
+        corpora_shared.fetch_all(out)
+    assert not (out / bad.path).exists()
+    done = [p for p in out.rglob("*") if p.is_file() and ".downloads" not in p.parts]
+    assert done  # the files before it stay; the next run fetches only the rest
+    repositories.corrupt.clear()
+    assert corpora_shared.fetch_all(out)["present"] == len(done)
+
+
+def test_the_test_data_manifest_refuses_a_bad_line(tmp_path, monkeypatch):
+    manifest = tmp_path / "m.tsv"
+    manifest.write_text("# a comment\nwmt14/x.txt\tabc\tgithub:owner/name@short:path\n")
+    monkeypatch.setattr(corpora_shared, "MANIFEST", manifest)
+    with pytest.raises(PipelineError, match=r"m.tsv:2: source 'github:owner/name@short:path' is neither"):
+        corpora_shared.files()
