@@ -33,10 +33,19 @@ def settings(overrides: dict[str, Any] | None = None, presets: tuple[str, ...] =
     return layered({**collect_overrides(list(presets), []), **(overrides or {})})
 
 
+MODELS = ("base", "big", "tiny", "multi30k")
+
+
+def model_settings(name: str) -> Params:
+    """The settings of a model's name: base (params.yaml as committed: the paper's), big or multi30k (the
+    presets), or tiny."""
+    return {"base": lambda: settings(), "big": lambda: settings(presets=("big",)),
+            "multi30k": lambda: settings(presets=("multi30k",)), "tiny": lambda: settings(TINY)}[name]()
+
+
 def model_config(name: str):
-    """The model of a name: base (params.yaml as committed: the paper's), big (the preset), or tiny."""
-    return {"base": lambda: settings().model, "big": lambda: settings(presets=("big",)).model,
-            "tiny": lambda: settings(TINY).model}[name]()
+    """The model of a name (`model_settings`)."""
+    return model_settings(name).model
 
 
 def train_params(**changes: Any):

@@ -25,7 +25,7 @@ from stages.batching import collate, token_batches
 from stages.devices import default_device
 from stages.train import forward_loss
 from stages.vocab import PAD_ID
-from bench.common import SAMPLE, model_config
+from bench.common import CORPORA, MODELS, model_settings
 from bench.results import record
 from transformer.config import TransformerConfig
 from transformer.model import Transformer
@@ -42,8 +42,9 @@ class RandomCorpus:
             setattr(self, f"{side}_offsets", np.concatenate([[0], np.cumsum(lengths)]))
 
 
-def batches(batch_tokens: int, vocab_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    words = [[len(line.split()) for line in open(f"{SAMPLE}.{lang}", encoding="utf-8")] for lang in ("en", "de")]
+def batches(batch_tokens: int, vocab_size: int, count: int,
+            text: dict[str, str]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    words = [[len(line.split()) for line in open(text[lang], encoding="utf-8")] for lang in ("en", "de")]
     src_len, tgt_len = (np.maximum(1, np.round(np.array(w) * 1.3)).astype(np.int64) for w in words)
     chosen, _ = token_batches(src_len, tgt_len, batch_tokens, seed=1)
     corpus = RandomCorpus(src_len, tgt_len, vocab_size)
@@ -74,19 +75,24 @@ def marian(config: TransformerConfig, vocab_size: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", choices=("base", "big", "tiny"), default="base", help="the model's size")
-    ap.add_argument("--vocab-size", type=int, default=37000)
+    ap.add_argument("--preset", choices=MODELS, default="base",
+                    help="the model (multi30k: the preset's, on Multi30k's lengths; the others on WMT14's)")
+    ap.add_argument("--vocab-size", type=int, help="default: the preset's")
     ap.add_argument("--batch-tokens", type=int, default=3000, help="per side per step")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per model")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--compile", action="store_true", help="torch.compile both models")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="then profile this many of ours' steps and print where their time goes")
     args = ap.parse_args()
 
     device = default_device()
     torch.manual_seed(0)
-    config = model_config(args.preset)
-    data = batches(args.batch_tokens, args.vocab_size, args.warmup + args.steps)
+    chosen = model_settings(args.preset)
+    config, args.vocab_size = chosen.model, args.vocab_size or chosen.vocab.vocab_size
+    text = CORPORA["multi30k" if args.preset == "multi30k" else "europarl"]["train"]
+    data = batches(args.batch_tokens, args.vocab_size, args.warmup + args.steps, text)
     runs = {}
     for name, build in (("ours", ours), ("MarianMT (transformers)", marian)):
         model, loss_fn = build(config, args.vocab_size)
@@ -96,21 +102,27 @@ def main() -> None:
                                                         fused=True))
     times: dict[str, list[float]] = {name: [] for name in runs}
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    for i, (src, tgt_in, tgt_out) in enumerate(data):
-        src, tgt_in, tgt_out = (x.to(device) for x in (src, tgt_in, tgt_out))
-        for name, (model, step_fn, optimizer) in runs.items():  # alternate, so drift hits both alike
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            with torch.autocast(device.type, dtype=dtype, enabled=args.precision != "fp32"):
-                loss = step_fn(src, tgt_in, tgt_out)
-            (loss / tgt_out.ne(PAD_ID).sum()).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+
+    def step(name: str, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> float:
+        model, step_fn, optimizer = runs[name]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=args.precision != "fp32"):
+            loss = step_fn(src, tgt_in, tgt_out)
+        (loss / tgt_out.ne(PAD_ID).sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    data = [tuple(x.to(device) for x in batch) for batch in data]
+    for i, batch in enumerate(data):
+        for name in runs:  # alternate, so drift hits both alike
+            seconds = step(name, *batch)
             if i >= args.warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds)
     tokens = sum(int(t.ne(PAD_ID).sum()) for _, _, t in data[args.warmup :])
     params = {name: sum(p.numel() for p in m.parameters()) for name, (m, _, _) in runs.items()}
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"{torch.get_num_threads()} threads"
@@ -127,6 +139,14 @@ def main() -> None:
                      "step time varies": f"{spread:.0%}"})
     summary = f"ours / MarianMT: {rate['ours'] / rate['MarianMT (transformers)']:.2f}x"
     print(summary)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for batch in data[: args.profile]:
+                step("ours", *batch)
+        print(f"Where {args.profile} of ours' steps spend their time (self CPU time, the largest first):")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     compiled = ", compiled" if args.compile else ""
     record("train", f"{args.preset} {args.precision} {args.batch_tokens}{compiled}",
            f"Training steps, {args.preset} model, {args.precision}{compiled}, {args.batch_tokens} tokens a side",

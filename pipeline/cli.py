@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where workers find the code: this checkout's folder (default) or a git URL")
     compare = sub.add_parser("compare", help="the experiments side by side: what each changed, its scores, its cost")
     compare.add_argument("--width", type=int, default=120, help="columns (default 120)")
+    sub.add_parser("sync", help="send an MLflow server what it missed while away (the notes in .mlflow-unsent/), "
+                   "once it answers")
     sub.add_parser("offline-plots", help="fetch vega once, so that `dvc plots show` works offline (make setup runs it)")
     preset = sub.add_parser("preset", help="apply presets and overrides to params.yaml without running")
     preset.add_argument("names", nargs="*")
@@ -143,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             from pipeline import compare
 
             print(compare.table(compare.experiments(), args.width))
+        elif args.command == "sync":
+            from pipeline import unsent
+
+            if left := unsent.sync():
+                raise PipelineError(f"{left} run(s) still unsent: their server does not answer; sync again later")
         elif args.command == "offline-plots":
             from pipeline import offline_plots
 
@@ -162,9 +169,21 @@ def main(argv: list[str] | None = None) -> int:
             from pipeline import flow
 
             names = ["quickstart", *args.preset] if args.command == "quickstart" else args.preset
-            state = flow.pipeline(presets=names, overrides=presets.collect_overrides([], args.overrides),
-                                  return_state=True)
-            if not state.is_completed():
+            try:
+                state = flow.pipeline(presets=names, overrides=presets.collect_overrides([], args.overrides),
+                                      return_state=True)
+                lost = None if state.is_completed() else flow.server_lost(state.message or "")
+            except Exception as e:
+                if (lost := flow.server_lost(e)) is None:
+                    raise
+            if lost and flow.FINISHED:  # the work is done; only Prefect's record of its end is missing
+                last_words(f"warning: {lost} before the flow's end reached it; the pipeline finished (test BLEU "
+                           f"{flow.FINISHED['scores']['test']['bleu']:.2f}), every stage recorded by DVC\n")
+            elif lost:
+                raise PipelineError(f"{lost} during the flow; the stages that finished are recorded by DVC, whose "
+                                    "stage in progress runs on regardless: `dvc repro` runs the rest from its cache "
+                                    "(or this command, once the server answers)")
+            elif not state.is_completed():
                 raise PipelineError(state.message)
     except PipelineError as e:
         last_words(f"error: {e}\n")

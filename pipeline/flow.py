@@ -20,6 +20,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 import codecs
 import contextlib
+import contextvars
 import re
 import signal
 import subprocess
@@ -36,7 +37,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from pipeline import config, dag, registry, tracking
+from pipeline import config, dag, registry, tracking, unsent
 from pipeline import presets as presets_module  # the flow's parameter is named presets
 from stages.io import PipelineError, read_json
 from stages.train_metrics import parse_progress
@@ -66,6 +67,50 @@ DVC_ADVICE = re.compile(r"^\s*(To track the changes with git, run:|git add |To e
                         r"dvc config core\.autostage|Use `dvc push` to send your updates)")
 
 
+class Artifacts:
+    """A task's Prefect artifacts, created and updated from a thread of their own: the stage's output is
+    read on without waiting for the Prefect server (were it not, a stalled server would fill the pipe and
+    stall the stage), only the newest of each is sent, and a server that does not answer costs one
+    warning, never the task."""
+
+    def __init__(self, logger: Any) -> None:
+        self.logger = logger
+        self.latest: dict[str, Callable[[], Any]] = {}  # key -> the newest call for it
+        self.cond = threading.Condition()
+        self.closed = self.warned = False
+        context = contextvars.copy_context()  # the task run's, so artifacts attach to it
+        self.thread = threading.Thread(target=context.run, args=(self._run,), name="prefect-artifacts", daemon=True)
+        self.thread.start()
+
+    def submit(self, key: str, call: Callable[[], Any]) -> None:
+        with self.cond:
+            self.latest[key] = call
+            self.cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.latest and not self.closed:
+                    self.cond.wait()
+                if not self.latest:
+                    return
+                key = next(iter(self.latest))
+                call = self.latest.pop(key)
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - the Prefect server away: the stage's work goes on
+                if not self.warned:
+                    self.warned = True
+                    self.logger.warning(f"the Prefect server did not take an artifact ({e}); the stage goes on")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Send what is pending, waiting at most `timeout` seconds."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join(timeout)
+
+
 class StageOutput:
     """What a stage prints, as the flow shows it: each line in the task's log as it comes (DVC's
     advice left out); the train stage's progress as a progress artifact (step / max_steps, loss,
@@ -75,6 +120,7 @@ class StageOutput:
         self.stage, self.logger = stage, logger
         self.lines: list[str] = []
         self.progress_id: Any = None
+        self.artifacts = Artifacts(logger)
 
     def __call__(self, line: str) -> None:
         self.lines.append(line)
@@ -82,16 +128,19 @@ class StageOutput:
             return
         self.logger.info(line)
         if url := tracking.run_url_in(line):
-            create_link_artifact(url, link_text=f"MLflow run of the {self.stage} stage", key=f"mlflow-{self.stage}",
-                                 description=f"The {self.stage} stage's MLflow run, live while it works")
+            self.artifacts.submit("link", lambda: create_link_artifact(
+                url, link_text=f"MLflow run of the {self.stage} stage", key=f"mlflow-{self.stage}",
+                description=f"The {self.stage} stage's MLflow run, live while it works"))
         elif (progress := parse_progress(line)) is not None:
             step, max_steps, loss, rate = progress
             description = f"{self.stage}: step {step:,} of {max_steps:,}, loss {loss:.3f}, {rate:,.0f} target tokens/s"
-            if self.progress_id is None:
-                self.progress_id = create_progress_artifact(100 * step / max_steps, key=f"{self.stage}-progress",
-                                                            description=description)
-            else:
-                update_progress_artifact(self.progress_id, 100 * step / max_steps, description=description)
+            self.artifacts.submit("progress", lambda: self._progress(100 * step / max_steps, description))
+
+    def _progress(self, percent: float, description: str) -> None:
+        if self.progress_id is None:
+            self.progress_id = create_progress_artifact(percent, key=f"{self.stage}-progress", description=description)
+        else:
+            update_progress_artifact(self.progress_id, percent, description=description)
 
 
 @task(cache_policy=NO_CACHE, task_run_name="{stage}")
@@ -111,6 +160,8 @@ def run_stage(stage: str) -> str | State:
     except BaseException:  # Ctrl-C, or SIGTERM (which the tracking turns into KeyboardInterrupt)
         _stop(proc, output)
         raise
+    finally:
+        output.artifacts.close()
     lines = output.lines
     if proc.wait() != 0:
         return Failed(message=failure(stage, lines))
@@ -145,15 +196,21 @@ def _stop(proc: subprocess.Popen, on_line: Callable[[str], None], grace: float =
         deadline.cancel()
 
 
+# What the newest flow run in this process achieved, kept for when its server is lost before the
+# run's end reaches it: the work done still counts.
+FINISHED: dict[str, Any] = {}
+
+
 @flow(name="transformer-pipeline", log_prints=True)
 def pipeline(presets: list[str] | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any] | State:
     """Apply presets and overrides to params.yaml, then run every stage of dvc.yaml in order."""
+    FINISHED.clear()
     merged = {**presets_module.collect_overrides(presets or [], []), **(overrides or {})}
     params = presets_module.apply_overrides(merged) if merged else config.load_params()
     experiment = tracking.experiment_name(params.download.src_lang, params.download.tgt_lang)
     tags = {"presets": ",".join(presets or []) or "none", "prefect_flow_run_id": str(flow_run.get_id())}
     with tracking.pipeline_run(experiment, run_name(presets or [], overrides or {}), config.as_flat_dict(params),
-                               tags) as parent:
+                               tags, summary=METRICS_DIR / "score.json") as parent:
         states = {}
         for stage in dag.stage_order():
             retries = RETRIES.get(stage, 0)
@@ -166,11 +223,36 @@ def pipeline(presets: list[str] | None = None, overrides: dict[str, Any] | None 
         scores = read_json(METRICS_DIR / "score.json")
         parent.log_metrics(scores)
         parent.log_artifact(METRICS_DIR / "score.json")
-        version = registry.register_model(parent, params, scores["test"]["bleu"])
-        create_markdown_artifact(key="bleu", markdown=report_markdown(scores, parent, version, presets or []),
-                                 description="BLEU of this pipeline run")
+        try:
+            version = registry.register_model(parent, params, scores["test"]["bleu"])
+        except Exception as e:  # noqa: BLE001 - a lost tracking server costs the registration, not the run
+            print(f"warning: mlflow: the model was not registered ({unsent.reason(e)}); `python -m pipeline "
+                  "run` again registers it once the server answers (every stage is cached)")
+            version = None
+        FINISHED.update(stages=states, scores=scores)
+        try:
+            create_markdown_artifact(key="bleu", markdown=report_markdown(scores, parent, version, presets or []),
+                                     description="BLEU of this pipeline run")
+        except Exception as e:  # noqa: BLE001 - the Prefect server away: the scores are in metrics/score.json
+            print(f"warning: the Prefect server did not take the BLEU artifact ({e})")
     print(f"test BLEU {scores['test']['bleu']:.2f} ({scores['test']['bleu_signature']})")
     return {"stages": states, "scores": scores}
+
+
+def server_lost(error: BaseException | str) -> str | None:
+    """'the Prefect server ... was lost' when the flow ended because its server stopped answering (an
+    exception out of the flow, or a task's failure message); None for any other ending."""
+    import httpx
+
+    seen: BaseException | None = error if isinstance(error, BaseException) else None
+    while seen is not None and not isinstance(seen, httpx.TransportError):
+        seen = seen.__cause__ or seen.__context__
+    text = str(error)
+    if seen is None and not (isinstance(error, str) and ("ConnectError" in text or "ConnectTimeout" in text)):
+        return None
+    from prefect.settings import get_current_settings
+
+    return f"the Prefect server {get_current_settings().api.url} was lost ({seen or text.rsplit(': ', 1)[-1]})"
 
 
 def run_name(presets: list[str], overrides: dict[str, Any]) -> str:

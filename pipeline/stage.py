@@ -41,6 +41,7 @@ from stages.io import EXIT_STOPPED, InputPath, OutputPath, PipelineError, Stoppe
 ARTIFACTS = {"vocab": ("out_dir",), "train": ("plots_dir",), "average": ("out_path",), "decode": ("out_dir",),
              "export": ("marian_dir",)}
 SYSTEM_METRICS = {"train"}
+CURVES = {"train": "plots_dir"}  # an output folder whose CSV files are the stage's curves (a step column)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ def run_stage(name: str, paths: dict[str, Path], metrics_path: Path | None,
     if c.source_digest is not None:
         hashed["data.source"] = c.source_digest(*sections)
     experiment = tracking.experiment_name(params.download.src_lang, params.download.tgt_lang)
-    with tracking.stage_run(name, experiment, flat, hashed, name in SYSTEM_METRICS) as tracker:
+    curves = Path(paths[CURVES[name]]) if name in CURVES else None
+    with tracking.stage_run(name, experiment, flat, hashed, name in SYSTEM_METRICS, metrics_path, curves) as tracker:
         metrics = c.run(*sections, **paths, **({"log": tracker.log_metrics} if c.takes_log else {}))
         # the summary, but what the stage already logged as a curve (whose last point it would repeat)
         summary = {k: v for k, v in tracking.flatten(metrics).items() if k not in tracker.logged}

@@ -112,8 +112,13 @@ def shared() -> Path:
 
 @pytest.fixture(autouse=True)
 def _no_tracking_in_the_working_tree(tmp_path, monkeypatch):
-    """Stages called through the command line track into a store of the test's own."""
+    """Stages called through the command line track into a store of the test's own, and note what a
+    lost server missed in a folder of the test's own."""
+    from pipeline import unsent
+
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("PIPELINE_MLFLOW_NOTES", str(tmp_path / "mlflow-unsent"))
+    monkeypatch.setattr(unsent, "NOTES", tmp_path / "mlflow-unsent")
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
-from conftest import SMALL, env_of, run_in
+from conftest import SMALL, env_of, run_in, wait_for
 from pipeline.presets import parse_override
 from servers import free_port, in_state, poll, prefect_call, serving
 
@@ -103,3 +105,39 @@ def test_a_worker_of_the_pool_runs_a_deployed_run_started_with_parameters(comple
     assert done.state_type.value == "COMPLETED", (done.state.message, log.read_text()[-3000:])
     assert done.work_pool_name == "team" and done.parameters == {"presets": ["quickstart"], "overrides": overrides}
     assert str(done.id) in log.read_text()  # the worker took it
+
+
+def test_a_flow_outlives_its_prefect_server(completed, tmp_path):
+    """The server stopped while the train stage works: the stage is not stopped, the flow runs its
+    stages to the end (Prefect 3 runs tasks on without its server), and ends with one line saying the
+    server was lost and the pipeline finished; DVC's record is whole (`dvc repro` has nothing to do)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    home = tmp_path / "prefect"
+    home.mkdir()
+    server_env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url}
+    # Prefect's client retries a lost server 5 times by default, minutes in all; 1 here, as the end is the same
+    env = {**env_of(completed), "PREFECT_API_URL": url, "PREFECT_CLIENT_MAX_RETRIES": "1", "PYTHONUNBUFFERED": "1"}
+    steps = ["-S", "train.max_steps=120", "-S", "train.checkpoint_every_steps=40", "-S", "train.log_every=10"]
+    with serving([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                 f"{url}/health", home, server_env, "the Prefect server"):
+        flow = subprocess.Popen([sys.executable, "-m", "pipeline", "quickstart", *SMALL, *steps], cwd=completed,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(flow.stdout), daemon=True)
+        reader.start()
+        # the run of the quickstart before goes on from its step 30: its first row here is step 40's
+        wait_for(lambda: any("step 40/120" in line for line in lines) or flow.poll() is not None, 600,
+                 "the train stage at step 40")
+        assert flow.poll() is None, "".join(lines)[-4000:]
+    start = time.monotonic()  # the server is gone from here
+    assert flow.wait(timeout=900) == 0, "".join(lines)[-4000:]
+    reader.join(timeout=10)
+    print(f"the flow ended {time.monotonic() - start:.0f} s after its server was stopped at train step 40")
+    assert lines[-1].startswith(f"warning: the Prefect server {url} was lost (") and \
+        "the pipeline finished (test BLEU" in lines[-1], lines[-1]
+    output = "".join(lines)
+    assert "step 120/120" in output and "stopped:" not in output  # the stage ran to its end
+    assert list((completed / "models/checkpoints").rglob("checkpoint-00000120.pt"))
+    again = run_in(completed, *DVC, "status")
+    assert "Data and pipelines are up to date" in again, again
