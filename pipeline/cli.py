@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pipeline import config, dag, presets, stage
 from pipeline.config import Params
-from stages import vocab
+from stages import progress, vocab
 from stages.io import PipelineError
 
 
@@ -116,6 +116,7 @@ def table3_command(names: list[str], queue: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    progress.library_bars_as_lines()
     if argv and argv[0] in dag.stage_descriptions():
         return stage.main(argv, prog="python -m pipeline")
     args = build_parser().parse_args(argv)

@@ -35,6 +35,7 @@ from typing import Any
 
 from pipeline import config, launch, tracking
 from pipeline.config import Params
+from stages import progress
 from stages.io import EXIT_STOPPED, InputPath, OutputPath, PipelineError, Stopped, file_digest, write_json
 
 # Outputs each stage logs to MLflow as artifacts, and the stages whose CPU/GPU use MLflow samples.
@@ -135,6 +136,7 @@ def main(argv: list[str], prog: str = "python -m pipeline.stage") -> int:
     """`<stage> --flag path ...`: run one stage; errors in the input are one line, not a traceback.
     Exit status: 0 done, 1 an error, 75 stopped by a signal with its work saved (run it again to go
     on), 130 interrupted with nothing saved."""
+    progress.library_bars_as_lines()
     try:
         if not argv or argv[0].startswith("-"):
             raise PipelineError(f"usage: {prog} <stage> --<path> PATH ... (`python -m pipeline --help` lists them)")

@@ -4,6 +4,7 @@ and between them one every 30 seconds or tenth of the way (not closer than 2 sec
 per refresh."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -48,3 +49,12 @@ class Bar(tqdm):
         if self.as_lines:
             self.leave = False  # its last line is written; a terminal's closing newline is not wanted
         super().close()
+
+
+def library_bars_as_lines() -> None:
+    """Where output is not a terminal, the libraries' own bars (MLflow's artifact transfers, Hugging Face's
+    weight loading) stay out of it: a log gets the lines above, never a bar's refreshes. Called before
+    those libraries are imported, as they read the switches then."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -137,8 +137,8 @@ def test_a_run_is_watchable_live_and_ends_crashed_when_stopped(flow_output, repo
         # a stage's first line names its MLflow run (the train stage's is the newest): from the run's
         # creation to the line in the flow's log, seconds at most
         announced = [log for log in logs if log.message.startswith(tracking.RUN_LINE)][-1]
-        assert announced.message.removeprefix(tracking.RUN_LINE) in artifacts["mlflow-train"].data
-        run_id = announced.message.rsplit("/", 1)[-1]
+        assert f"({tracking.run_url_in(announced.message)})" in artifacts["mlflow-train"].data
+        run_id = tracking.run_url_in(announced.message).rsplit("/", 1)[-1]
         started = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}").get_run(run_id).info.start_time / 1000
         delay = announced.timestamp.timestamp() - started
         print(f"from a stage's first print to the flow's log: {delay:.2f} s")

@@ -118,7 +118,9 @@ def test_a_flow_outlives_its_prefect_server(completed, tmp_path):
     server_env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url}
     # Prefect's client retries a lost server 5 times by default, minutes in all; 1 here, as the end is the same
     env = {**env_of(completed), "PREFECT_API_URL": url, "PREFECT_CLIENT_MAX_RETRIES": "1", "PYTHONUNBUFFERED": "1"}
-    steps = ["-S", "train.max_steps=120", "-S", "train.checkpoint_every_steps=40", "-S", "train.log_every=10"]
+    # a seed of its own: a run from step 0, whatever snapshots the modules before left
+    steps = ["-S", "train.max_steps=120", "-S", "train.checkpoint_every_steps=40", "-S", "train.log_every=10",
+             "-S", "train.seed=7"]
     with serving([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                  f"{url}/health", home, server_env, "the Prefect server"):
         flow = subprocess.Popen([sys.executable, "-m", "pipeline", "quickstart", *SMALL, *steps], cwd=completed,
@@ -126,7 +128,6 @@ def test_a_flow_outlives_its_prefect_server(completed, tmp_path):
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(flow.stdout), daemon=True)
         reader.start()
-        # the run of the quickstart before goes on from its step 30: its first row here is step 40's
         wait_for(lambda: any("step 40/120" in line for line in lines) or flow.poll() is not None, 600,
                  "the train stage at step 40")
         assert flow.poll() is None, "".join(lines)[-4000:]

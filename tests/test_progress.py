@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -59,3 +62,20 @@ def test_on_a_terminal_the_bar_redraws_in_place(clock):
             clock[0] += 1
             bar.update(1)
     assert screen.getvalue().count("\r") >= 10 and "train: 100%|" in screen.getvalue()
+
+
+def test_the_libraries_bars_stay_out_of_a_log_and_on_a_terminal(monkeypatch):
+    """MLflow's and Hugging Face's own bars: switched off where output is a log (a subprocess that then
+    imports transformers has them off), left alone on a terminal or where the user chose."""
+    code = ("from stages import progress; progress.library_bars_as_lines(); import transformers; "
+            "from mlflow.environment_variables import MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR as m; "
+            "print(transformers.utils.logging.is_progress_bar_enabled(), m.get())")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS",
+                                                            "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")}
+    said = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert said.stdout.split() == ["False", "False"]
+    for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(progress.sys, "stderr", Terminal())
+    progress.library_bars_as_lines()
+    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ and "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ
