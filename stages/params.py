@@ -121,6 +121,7 @@ class TrainParams:
     processes: int | Literal["auto"]  # that train; auto: one per GPU the stage sees, or one on a CPU
     micro_batches: int | Literal["auto"]  # a step's, over all processes; auto: the run's own, or one a process
     warmup_steps: int
+    schedule: Literal["inverse_sqrt", "linear_decay"]  # after warm-up: the paper's decay, or a line to 0 at max_steps
     lr_scale: float  # times the paper's rate; 1: the paper. Smaller batches want less: see params.yaml
     adam_betas: tuple[float, float]
     adam_eps: float
@@ -153,6 +154,9 @@ class TrainParams:
         check(all(0 <= b < 1 for b in self.adam_betas), "adam_betas", f"must be in [0, 1), not {self.adam_betas}")
         check(self.adam_eps > 0, "adam_eps", f"must be positive, not {self.adam_eps}")
         check(self.lr_scale > 0, "lr_scale", f"must be positive, not {self.lr_scale}")
+        check(self.schedule != "linear_decay" or self.warmup_steps < self.max_steps, "schedule",
+              f"linear_decay falls to zero at max_steps ({self.max_steps}), which must come after the "
+              f"{self.warmup_steps} warm-up steps")
         check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), not {self.label_smoothing}")
         check(not self.cuda_graphs or (self.compile and self.shapes == "buckets"), "cuda_graphs",
               "replays the compiled step, one graph a batch shape: it needs train.compile true and train.shapes "

@@ -39,7 +39,7 @@ from stages.train_state import Agreed, Agreement, ModelState, OptimizerState, Sc
 from transformer.config import TransformerConfig
 from transformer.loss import label_smoothed_nll_loss
 from transformer.model import Transformer
-from transformer.schedule import inverse_sqrt_rate
+from transformer.schedule import inverse_sqrt_rate, linear_decay_rate
 
 MetricsLogger = Callable[[dict[str, float], int], None]
 
@@ -55,8 +55,10 @@ def run_identity(model_config: TransformerConfig, params: TrainParams, encoded_d
                  init_weights: Path | None) -> dict[str, Any]:
     """What identifies a run: what it trains (model, data, vocabulary, starting weights) and how (the
     training parameters that alter the updates); a change starts a run of its own."""
+    # a schedule that ends at max_steps makes max_steps alter every update
+    resumable = RESUMABLE_CHANGES - ({"max_steps"} if params.schedule == "linear_decay" else set())
     return {"model": asdict(model_config),
-            "train": {k: v for k, v in asdict(params).items() if k not in RESUMABLE_CHANGES},
+            "train": {k: v for k, v in asdict(params).items() if k not in resumable},
             "vocab": vocab.identity(vocab_dir),
             "data": file_digest(*sorted(Path(encoded_dir).glob("train.*.npy"))),
             **({"init": file_digest(init_weights)} if init_weights is not None else {})}
@@ -134,9 +136,10 @@ class Trainer:
         self.peak = peak_flops(accelerator.device, accelerator.mixed_precision)
         optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=params.adam_betas, eps=params.adam_eps,
                                      fused=True)
-        # LambdaLR scales lr=1.0 by lr_scale times the paper's rate; its counter is the number of steps taken so far.
-        self.rate = lambda done: params.lr_scale * inverse_sqrt_rate(done + 1, model_config.d_model,
-                                                                     params.warmup_steps)
+        # LambdaLR scales lr=1.0 by lr_scale times the schedule's rate; its counter is the number of steps taken so far.
+        self.rate = lambda done: params.lr_scale * (
+            inverse_sqrt_rate(done + 1, model_config.d_model, params.warmup_steps) if params.schedule == "inverse_sqrt"
+            else linear_decay_rate(done + 1, model_config.d_model, params.warmup_steps, params.max_steps))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.rate)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         # Under mixed precision, prepare wraps the model's forward to cast its outputs to fp32: a full fp32

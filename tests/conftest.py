@@ -56,9 +56,9 @@ def wait_for(condition, timeout: float, what: str):
 
 
 def train_params(**changes) -> train.TrainParams:
-    p = dict(max_steps=6, batch_tokens=1500, processes=1, micro_batches="auto", warmup_steps=4, lr_scale=1.0,
-             adam_betas=(0.9, 0.98), adam_eps=1e-9, label_smoothing=0.1, clip_norm=0.0, precision="fp32", compile=False,
-             cuda_graphs=False, shapes="exact",
+    p = dict(max_steps=6, batch_tokens=1500, processes=1, micro_batches="auto", warmup_steps=4, schedule="inverse_sqrt",
+             lr_scale=1.0, adam_betas=(0.9, 0.98), adam_eps=1e-9, label_smoothing=0.1, clip_norm=0.0, precision="fp32",
+             compile=False, cuda_graphs=False, shapes="exact",
              seed=1, log_every=2, validate_every=3, checkpoint_every_steps=2, checkpoint_every_minutes=0.0,
              keep_checkpoints=20)
     p.update(changes)

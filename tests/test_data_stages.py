@@ -136,6 +136,10 @@ def test_score_reproduces_sacrebleu_on_newstest(shared, tmp_path):
     # the paper's tokenised, compound-split BLEU: its own figure, and it counts split compounds as tokens
     assert result["bleu_tok"] != pytest.approx(result["bleu"]) and 0 < result["bleu_tok"] < 100
     assert result["bleu_tok_signature"] == score.BLEU_TOK_VARIANT
+    # lowercased and Moses-tokenised, as published Multi30k results: against sacreBLEU on that same text
+    lower = [line.lower() for line in score.moses_tokenize(hyp, "de")], [score.moses_tokenize(ref, "de")]
+    lowered = sacrebleu.corpus_bleu(lower[0], [[line.lower() for line in lower[1][0]]], tokenize="none")
+    assert result["bleu_lc_tok"] == pytest.approx(lowered.score) and result["bleu_lc_tok"] != result["bleu_tok"]
 
 
 def test_paper_tokenisation_splits_compounds_like_get_ende_bleu():

@@ -14,7 +14,7 @@ from translate.translator import ModelSteps
 from transformer.config import TransformerConfig
 from transformer.loss import label_smoothed_nll_loss
 from transformer.model import Transformer, training_flops
-from transformer.schedule import inverse_sqrt_rate
+from transformer.schedule import inverse_sqrt_rate, linear_decay_rate
 
 from conftest import PAD, tiny_model
 
@@ -83,6 +83,16 @@ def test_schedule_warms_up_then_decays():
     rates = [inverse_sqrt_rate(s, 512, 4000) for s in (1, 2000, 4000, 16000)]
     assert rates[0] < rates[1] < rates[2] and rates[3] == pytest.approx(rates[2] / 2)
     assert rates[2] == pytest.approx(512**-0.5 * 4000**-0.5)
+
+
+def test_the_linear_decay_warms_up_alike_then_falls_in_a_line_to_zero_after_the_last_step():
+    peak = 256**-0.5 * 800**-0.5
+    assert [linear_decay_rate(s, 256, 800, 1400) for s in (400, 800)] == pytest.approx(
+        [inverse_sqrt_rate(s, 256, 800) for s in (400, 800)])  # the paper's warm-up to the paper's peak
+    assert linear_decay_rate(800, 256, 800, 1400) == pytest.approx(peak)
+    assert linear_decay_rate(1100, 256, 800, 1400) == pytest.approx(peak * 301 / 601)  # halfway down
+    assert linear_decay_rate(1400, 256, 800, 1400) == pytest.approx(peak / 601)  # the last step still learns
+    assert linear_decay_rate(1401, 256, 800, 1400) == 0.0
 
 
 @pytest.mark.parametrize("chunk_rows", [3, 1000, "compiled"])

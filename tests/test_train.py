@@ -18,7 +18,7 @@ from stages.checkpoint import Checkpointer, Processes, Schedule
 from stages.model_files import ModelMeta, current_dir, list_checkpoints, read_checkpoint, write_checkpoint
 from stages.train_metrics import MetricsWindow, Progress, StepMetrics, summary, write_curves
 from transformer.config import TransformerConfig
-from transformer.schedule import inverse_sqrt_rate
+from transformer.schedule import inverse_sqrt_rate, linear_decay_rate
 
 
 def test_train_writes_checkpoints_curves_and_finite_metrics(trained, work):
@@ -67,6 +67,20 @@ def test_each_step_takes_the_papers_rate_times_lr_scale(trained, encoded, vocab_
     train.run(TINY, train_params(lr_scale=0.25), encoded_dir=encoded[0], vocab_dir=vocab_dir,
               checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p")
     assert rates(current_dir(tmp_path / "c")) == pytest.approx({s: 0.25 * r for s, r in paper.items()})
+    train.run(TINY, train_params(schedule="linear_decay"), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+              checkpoint_dir=tmp_path / "d", plots_dir=tmp_path / "p")
+    assert rates(current_dir(tmp_path / "d")) == pytest.approx({s: linear_decay_rate(s, TINY.d_model, 4, 6)
+                                                                 for s in (2, 4, 6)})
+
+
+def test_under_linear_decay_the_length_is_part_of_the_run(encoded, vocab_dir):
+    """max_steps changes every rate of a linear decay: another length is another run; the paper's
+    schedule goes on to a longer max_steps in the same run."""
+    identity = lambda **changes: train.run_identity(TINY, train_params(**changes), encoded[0], vocab_dir, None)  # noqa: E731
+    assert identity(max_steps=6) == identity(max_steps=12)
+    assert identity(max_steps=6, schedule="linear_decay") != identity(max_steps=12, schedule="linear_decay")
+    with pytest.raises(ValueError, match="linear_decay falls to zero at max_steps"):
+        train_params(max_steps=4, warmup_steps=4, schedule="linear_decay")
 
 
 def test_a_changed_setup_trains_beside_the_other_and_going_back_retrains_nothing(encoded, vocab_dir, tmp_path,
