@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# The GPU checks of the training step, each one command that ends inside the device tool's 10 minutes
-# (every part is stopped at its --part-timeout and reported so; the rest go on):
+# The GPU checks, each one command planned to end within 8 minutes (bench.gpu's --budget stops the parts
+# when their share is spent and reports those not begun; the machine's start is not counted):
 #
-#   bash bench/gpu/check.sh speed     # throughput of base and big: the step by default (eager, exact shapes)
-#                                     # and compiled + captured (CUDA graphs) against MarianMT; profiles of both
-#   bash bench/gpu/check.sh quality   # fp32 / bf16 / captured bf16 loss curves on the same batches, then the
-#                                     # Multi30k GPU preset end to end
+#   bash bench/gpu/check.sh speed      # base: the step by default (eager), compiled, captured (CUDA graphs) and
+#                                      # MarianMT of the same shape, a profile of the default; then big, eager
+#                                      # and compiled, while its 2 minutes last
+#   bash bench/gpu/check.sh quality    # fp32 / bf16 / captured bf16 loss curves on the same batches; the Multi30k
+#                                      # GPU preset end to end
+#   bash bench/gpu/check.sh multi30k   # the Multi30k GPU tries of bench/gpu/multi30k-tries.yaml, each end to end
 #
-# Each is planned at 8 to 10 minutes (start-up, data, compiling); a session's 15 minutes of device time
-# hold one of them with its machine's start, so run speed first and quality in a later session.
 # Figures land in $OUT (or ./gpu-check) as JSON and markdown, and in bench/results/ for docs/performance.md.
 # The GPU machine lacks sacremoses (the clean stage's): carry its wheels in .whl (the device README says
 # how: sacremoses, click, joblib); this script installs whatever .whl holds first.
 set -euo pipefail
-what=${1:?speed or quality}
+what=${1:?speed, quality or multi30k}
 out=${OUT:-gpu-check}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -24,9 +24,13 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
 case $what in
-  speed) python3 -m bench.gpu --parts throughput,profile --systems ours,captured,marian --part-timeout 120 \
-           --out "$out/speed.json" ;;
-  quality) python3 -m bench.gpu --parts curves,multi30k --part-timeout 420 --out "$out/quality.json" ;;
-  *) echo "check.sh: $what is not speed or quality" >&2; exit 2 ;;
+  speed)
+    python3 -m bench.gpu --models base --parts throughput,profile --systems ours,marian,compiled,captured \
+      --part-timeout 150 --budget 330 --out "$out/speed-base.json" || true
+    python3 -m bench.gpu --models big --parts throughput --systems ours,compiled --budget 110 \
+      --out "$out/speed-big.json" || true ;;
+  quality) python3 -m bench.gpu --parts curves,multi30k --tries preset --budget 450 --out "$out/quality.json" || true ;;
+  multi30k) python3 -m bench.gpu --parts multi30k --budget 450 --out "$out/multi30k.json" || true ;;
+  *) echo "check.sh: $what is not speed, quality or multi30k" >&2; exit 2 ;;
 esac
 cp bench/results/gpu--*.json "$out/" 2>/dev/null || true

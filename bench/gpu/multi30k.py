@@ -1,18 +1,28 @@
 """bench.gpu's multi30k part: the pipeline's stages in dvc.yaml's order with the presets multi30k and
-multi30k-gpu, each stage timed, and the BLEU."""
+multi30k-gpu and a try's changes (bench/gpu/multi30k-tries.yaml), each stage timed, and the BLEU."""
 from __future__ import annotations
 
 import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from bench.common import MULTI30K, settings
 from bench.gpu import Sizes
 
+TRIES = Path(__file__).with_name("multi30k-tries.yaml")
 
-def multi30k(sizes: Sizes, work: Path) -> dict[str, Any]:
-    """The pipeline's stages, in dvc.yaml's order, with the presets multi30k and multi30k-gpu, on the
-    shared Multi30k copy (the download stage's local source): each stage's time and the BLEU."""
+
+def tries() -> dict[str, dict[str, Any]]:
+    """Name -> overrides after the presets, in the file's order."""
+    return yaml.safe_load(TRIES.read_text(encoding="utf-8"))
+
+
+def multi30k(sizes: Sizes, work: Path, name: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The pipeline's stages, in dvc.yaml's order, with the presets multi30k and multi30k-gpu and then
+    `overrides`, on the shared Multi30k copy (the download stage's local source): each stage's time
+    and the BLEU."""
     from stages import average, clean, download, encode, score, train, vocab
     from stages import decode as decode_stage
 
@@ -27,8 +37,8 @@ def multi30k(sizes: Sizes, work: Path) -> dict[str, Any]:
                        "download.local.train": [{"src": "train.en", "tgt": "train.de"}],
                        "download.local.dev": {"src": "val.en", "tgt": "val.de"},
                        "download.local.test": {"src": "test_2016_flickr.en", "tgt": "test_2016_flickr.de"},
-                       **sizes.multi30k}, presets=("multi30k", "multi30k-gpu"))
-    out = work / "multi30k"
+                       **overrides, **sizes.multi30k}, presets=("multi30k", "multi30k-gpu"))
+    out = work / f"multi30k-{name}"
     paths = {name: out / name for name in ("raw", "clean", "vocab", "encoded", "checkpoints", "plots", "hyps")}
     model = out / "averaged.safetensors"
     stages = {
@@ -49,5 +59,7 @@ def multi30k(sizes: Sizes, work: Path) -> dict[str, Any]:
         metrics[name] = run()
         seconds[name] = time.perf_counter() - start
         print(f"multi30k: {name} done in {seconds[name]:.0f} s", flush=True)
-    return {"seconds": seconds, "total_seconds": sum(seconds.values()), "steps": params.train.max_steps,
-            "train": metrics["train"], "bleu": {split: metrics["score"][split]["bleu"] for split in ("dev", "test")}}
+    return {"try": name, "overrides": overrides, "seconds": seconds, "total_seconds": sum(seconds.values()),
+            "steps": params.train.max_steps, "train": metrics["train"],
+            **{kind: {split: metrics["score"][split][kind] for split in ("dev", "test")}
+               for kind in ("bleu", "bleu_lc_tok")}}
