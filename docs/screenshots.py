@@ -95,7 +95,7 @@ def photograph(chromium: str, url: str, out: Path) -> None:
     """The page once its scripts have run and its data has loaded (virtual time runs ahead of the clock)."""
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run([chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                        f"--user-data-dir={profile}", f"--window-size={SIZE}", "--virtual-time-budget=20000",
+                        f"--user-data-dir={profile}", f"--window-size={SIZE}", "--virtual-time-budget=60000",
                         f"--screenshot={out}", url], check=True, capture_output=True, timeout=120)
     print(f"wrote {out.relative_to(ROOT)} from {url}", flush=True)
 
