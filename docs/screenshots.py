@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: the checkout's packages
+from bench.multi30k import clone  # noqa: E402 - after the path above
 DOCS = ROOT / "docs"
 SIZE = "1500,950"
 STEPS = 600  # long enough to be photographed while it trains
@@ -51,20 +53,6 @@ def wait_for(condition: Callable[[], Any], seconds: float, what: str) -> Any:
 
 def answers(url: str) -> bool:
     return urllib.request.urlopen(url, timeout=2).status == 200  # noqa: S310 - 127.0.0.1 only
-
-
-def copy_checkout(dest: Path) -> Path:
-    """The checkout's files as a clone has them (and those not yet committed), in a git repository of its own."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split("\n")
-    for name in [*filter(None, listed), ".dvc/offline-plots.html"]:
-        if (ROOT / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, dest / name)
-    for args in (["init", "-q"], ["add", "-A"], ["-c", "user.name=docs", "-c", "user.email=docs@localhost", "commit",
-                                                   "-qm", "screenshots"]):
-        subprocess.run(["git", *args], cwd=dest, check=True)
-    return dest
 
 
 def serve(command: list[str], health: str, env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -106,7 +94,7 @@ def main() -> None:
         raise SystemExit("screenshots: no Chromium found (Debian: apt install chromium)")
     with tempfile.TemporaryDirectory(prefix="screenshots-") as tmp:
         work = Path(tmp)
-        project = copy_checkout(work / "project")
+        project = clone(work / "project")
         prefect, mlflow = free_port(), free_port()
         api = f"http://127.0.0.1:{prefect}/api"
         env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_API_URL": api,
