@@ -3,12 +3,13 @@ by the pipeline's own loader from params.yaml and presets (never restated here),
 of a corpus by the pipeline's own vocab and encode stages. Imports no torch, MLflow, Prefect or DVC."""
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from corpora.shared import location
-from pipeline.config import Params
+from pipeline.config import PARAMS_FILE, Params
 from pipeline.presets import collect_overrides, layered
 
 SHARED = location()  # the real text the tests read too: ../shared/data, or `make test-data`'s copy
@@ -28,9 +29,22 @@ TINY = {"model.d_model": 64, "model.n_heads": 4, "model.d_ff": 128, "model.encod
         "model.decoder_layers": 2}
 
 
+def committed_params() -> tuple[str, str]:
+    """(name, text) of params.yaml as committed, the paper's recipe: `pipeline run --preset` writes a run's
+    presets into the file, and a bench's base must not become the last run's model. Git's copy at HEAD
+    in a clone; the file itself elsewhere."""
+    shown = subprocess.run(["git", "show", "HEAD:params.yaml"], cwd=PARAMS_FILE.parent, capture_output=True,
+                           text=True)
+    if shown.returncode == 0:
+        return "params.yaml at git HEAD", shown.stdout
+    return str(PARAMS_FILE), PARAMS_FILE.read_text(encoding="utf-8")
+
+
 def settings(overrides: dict[str, Any] | None = None, presets: tuple[str, ...] = ()) -> Params:
-    """params.yaml with `presets`, then `overrides` (dotted keys), layered on as the pipeline does."""
-    return layered({**collect_overrides(list(presets), []), **(overrides or {})})
+    """params.yaml as committed with `presets`, then `overrides` (dotted keys), layered on as the pipeline
+    does."""
+    name, text = committed_params()
+    return layered({**collect_overrides(list(presets), []), **(overrides or {})}, name, text)
 
 
 MODELS = ("base", "big", "tiny", "multi30k")
@@ -38,7 +52,7 @@ MODELS = ("base", "big", "tiny", "multi30k")
 
 def model_settings(name: str) -> Params:
     """The settings of a model's name: base (params.yaml as committed: the paper's), big or multi30k (the
-    presets), or tiny."""
+    presets on it), or tiny."""
     return {"base": lambda: settings(), "big": lambda: settings(presets=("big",)),
             "multi30k": lambda: settings(presets=("multi30k",)), "tiny": lambda: settings(TINY)}[name]()
 

@@ -89,11 +89,12 @@ def _set(data: dict[str, Any], key: str, value: Any, path: Path) -> None:
     node[leaf] = value
 
 
-def layered(overrides: dict[str, Any], path: str | Path = PARAMS_FILE) -> Params:
-    """params.yaml with `overrides` layered on, in memory and nothing written: for the stages run
-    outside the pipeline (bench.gpu), where DVC's YAML library may not be installed."""
+def layered(overrides: dict[str, Any], path: str | Path = PARAMS_FILE, text: str | None = None) -> Params:
+    """params.yaml (or `text`, a version of it named by `path`) with `overrides` layered on, in memory and
+    nothing written: for the stages run outside the pipeline (bench.gpu), where DVC's YAML library may
+    not be installed."""
     path = Path(path)
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    data = yaml.safe_load(path.read_text(encoding="utf-8") if text is None else text)
     for key, value in overrides.items():
         _set(data, key, value, path)
     return parse_params(yaml.safe_dump(data), f"{path} (with overrides {', '.join(overrides)})")

@@ -235,3 +235,20 @@ def test_reading_params_yaml_imports_no_torch():
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_bench_base_is_the_committed_recipe_whatever_a_run_wrote_into_params_yaml(tmp_path_factory):
+    """`pipeline run --preset quickstart` writes its preset into params.yaml; a bench's base (and the
+    presets layered on it) still reads params.yaml as committed."""
+    import subprocess
+    import sys
+
+    from conftest import copy_project, env_of
+
+    project = copy_project(tmp_path_factory)
+    apply_overrides(load_preset("quickstart"), project / "params.yaml")
+    code = ("from bench.common import model_settings; "
+            "print(*(model_settings(n).model.d_model for n in ('base', 'big', 'multi30k')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=project, env=env_of(project), capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.split() == ["512", "1024", "256"], out.stdout + out.stderr  # not the quickstart's 128
