@@ -5,6 +5,7 @@ tracking server (a run's parent and nested runs, metrics, artifacts and register
 there), and a Prefect work pool (a run started through the API with parameters completes on a
 worker of the pool)."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import SMALL, copy_project, env_of, run_in, wait_for
+from conftest import SMALL, env_of, run_in, wait_for
 from pipeline.presets import parse_override
 from servers import free_port, in_state, poll, prefect_call, serving
 
@@ -107,38 +108,38 @@ def test_a_worker_of_the_pool_runs_a_deployed_run_started_with_parameters(comple
     assert str(done.id) in log.read_text()  # the worker took it
 
 
-def test_a_flow_outlives_its_prefect_server(tmp_path_factory, tmp_path):
+def test_a_flow_outlives_its_prefect_server(completed, tmp_path):
     """The server stopped while the train stage works: the stage is not stopped, the flow runs its
     stages to the end (Prefect 3 runs tasks on without its server), and ends with one line saying the
     server was lost and the pipeline finished; DVC's record is whole (`dvc repro` has nothing to do).
-    A copy of its own: from nothing, whatever the modules before left in the shared one."""
-    project = copy_project(tmp_path_factory)
+    The small quickstart taken on to step 80: its train stage resumes the 30-step run (max_steps does
+    not alter the updates), so the server is stopped at the first step line this run prints."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     home = tmp_path / "prefect"
     home.mkdir()
     server_env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url}
     # Prefect's client retries a lost server 5 times by default, minutes in all; none here, as the end is the same
-    env = {**env_of(project), "PREFECT_API_URL": url, "PREFECT_CLIENT_MAX_RETRIES": "0", "PYTHONUNBUFFERED": "1"}
+    env = {**env_of(completed), "PREFECT_API_URL": url, "PREFECT_CLIENT_MAX_RETRIES": "0", "PYTHONUNBUFFERED": "1"}
     steps = ["-S", "train.max_steps=80", "-S", "train.checkpoint_every_steps=20", "-S", "train.log_every=10"]
     with serving([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                  f"{url}/health", home, server_env, "the Prefect server"):
-        flow = subprocess.Popen([sys.executable, "-m", "pipeline", "quickstart", *SMALL, *steps], cwd=project,
+        flow = subprocess.Popen([sys.executable, "-m", "pipeline", "quickstart", *SMALL, *steps], cwd=completed,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(flow.stdout), daemon=True)
         reader.start()
-        wait_for(lambda: any("step 20/80" in line for line in lines) or flow.poll() is not None, 600,
-                 "the train stage at step 20")
-        assert flow.poll() is None, "".join(lines)[-4000:]
+        stopped_at = wait_for(lambda: next((m.group(1) for line in lines if (m := re.search(r"step (\d+)/80", line))),
+                                           None) or flow.poll() is not None, 600, "the train stage's first step line")
+        assert flow.poll() is None and int(stopped_at) < 80, "".join(lines)[-4000:]
     start = time.monotonic()  # the server is gone from here
     assert flow.wait(timeout=900) == 0, "".join(lines)[-4000:]
     reader.join(timeout=10)
-    print(f"the flow ended {time.monotonic() - start:.0f} s after its server was stopped at train step 20")
+    print(f"the flow ended {time.monotonic() - start:.0f} s after its server was stopped at train step {stopped_at}")
     assert lines[-1].startswith(f"warning: the Prefect server {url} was lost (") and \
         "the pipeline finished (test BLEU" in lines[-1], lines[-1]
     output = "".join(lines)
     assert "step 80/80" in output and "stopped:" not in output  # the stage ran to its end
-    assert list((project / "models/checkpoints").rglob("checkpoint-00000080.pt"))
-    again = run_in(project, *DVC, "status")
+    assert list((completed / "models/checkpoints").rglob("checkpoint-00000080.pt"))
+    again = run_in(completed, *DVC, "status")
     assert "Data and pipelines are up to date" in again, again
