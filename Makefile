@@ -23,7 +23,8 @@ lock:  ## requirements.lock anew: the newest versions pyproject.toml admits, res
 	mv requirements.lock.tmp requirements.lock && rm -rf .lock-venv
 
 quickstart:  ## the whole pipeline on the bundled corpus, as a Prefect flow over dvc.yaml, in minutes on a CPU
-	$(PY) -m pipeline quickstart
+            ## (ARGS: overrides, e.g. ARGS="-S train.max_steps=400")
+	$(PY) -m pipeline quickstart $(ARGS)
 
 test-data:  ## the real text the tests read (WMT14 test sets and samples, Multi30k; about 50 MB), fetched from its
             ## public repositories, pinned by commit and checked by sha256, into .test-data (none needed where ../shared/data is)
