@@ -32,10 +32,14 @@ TINY = {"model.d_model": 64, "model.n_heads": 4, "model.d_ff": 128, "model.encod
 def committed_params() -> tuple[str, str]:
     """(name, text) of params.yaml as committed, the paper's recipe: `pipeline run --preset` writes a run's
     presets into the file, and a bench's base must not become the last run's model. Git's copy at HEAD
-    in a clone; the file itself elsewhere."""
-    shown = subprocess.run(["git", "show", "HEAD:params.yaml"], cwd=PARAMS_FILE.parent, capture_output=True,
-                           text=True)
-    if shown.returncode == 0:
+    in a clone (the path relative to the checkout, which may sit inside another repository); the file
+    itself where there is no git or no commit."""
+    try:
+        shown = subprocess.run(["git", "show", "HEAD:./params.yaml"], cwd=PARAMS_FILE.parent, capture_output=True,
+                               text=True)
+    except FileNotFoundError:  # no git installed
+        shown = None
+    if shown is not None and shown.returncode == 0:
         return "params.yaml at git HEAD", shown.stdout
     return str(PARAMS_FILE), PARAMS_FILE.read_text(encoding="utf-8")
 

@@ -240,6 +240,7 @@ def test_reading_params_yaml_imports_no_torch():
 def test_a_bench_base_is_the_committed_recipe_whatever_a_run_wrote_into_params_yaml(tmp_path_factory):
     """`pipeline run --preset quickstart` writes its preset into params.yaml; a bench's base (and the
     presets layered on it) still reads params.yaml as committed."""
+    import shutil
     import subprocess
     import sys
 
@@ -252,3 +253,7 @@ def test_a_bench_base_is_the_committed_recipe_whatever_a_run_wrote_into_params_y
     out = subprocess.run([sys.executable, "-c", code], cwd=project, env=env_of(project), capture_output=True,
                          text=True, check=True)
     assert out.stdout.split() == ["512", "1024", "256"], out.stdout + out.stderr  # not the quickstart's 128
+    shutil.rmtree(project / ".git")  # no clone: the file as it stands is all there is
+    out = subprocess.run([sys.executable, "-c", code], cwd=project, env=env_of(project), capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.split() == ["128", "1024", "256"], out.stdout + out.stderr
