@@ -5,6 +5,8 @@ benches all run on the same device with the same rules; how decoding runs there 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from stages.io import PipelineError
@@ -30,12 +32,17 @@ def processes(setting: int | str) -> int:
     return setting
 
 
-def use_fast_attention() -> None:
-    """Leave cuDNN's fused attention out of scaled_dot_product_attention when training on GPUs: it
-    builds a plan (with runtime-generated kernels) for each new (batch, length) shape, and with exact
-    shapes token-bucketed batches bring new shapes at nearly every step; the flash and memory-efficient
-    kernels serve every shape without that (`python -m bench.gpu --parts throughput,profile`)."""
-    torch.backends.cuda.enable_cudnn_sdp(False)
+def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:
+    """Within it, scaled_dot_product_attention on GPUs leaves cuDNN's fused attention out: it builds a
+    plan (with runtime-generated kernels) for each new (batch, length) shape, and token-bucketed batches
+    padded to their longest pair bring new shapes at nearly every step; the flash and memory-efficient
+    kernels serve every shape without that (`python -m bench.gpu --parts throughput,profile`). A context,
+    not a process-wide switch: whatever else the process runs keeps torch's choice."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def mixed_precision(choice: str) -> str:

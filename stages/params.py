@@ -3,7 +3,7 @@ values when it is made (ValueError(key, message), which pipeline/config.py repor
 Nothing here imports torch, so reading params.yaml costs no more than YAML and these checks."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 from sacrebleu.metrics import BLEU
@@ -128,8 +128,8 @@ class TrainParams:
     label_smoothing: float
     clip_norm: float  # 0: no clipping, as the paper
     precision: Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16 on GPUs that have it, else fp32
-    compile: bool  # torch.compile the step's model and loss together, with dynamic shapes: one graph for all lengths
-    cuda_graphs: bool  # replay the compiled step as CUDA graphs, one a batch shape: GPUs, compile and shapes buckets
+    compile: bool | Literal["auto"]  # torch.compile the step's model and loss; auto: on GPUs (resolved())
+    cuda_graphs: bool  # replay the compiled step as CUDA graphs, one a batch shape: GPUs, compile and buckets
     shapes: Literal["exact", "buckets"]  # a batch padded to its longest pair, or to one of a few shapes (batching.py)
     seed: int
     log_every: int  # steps
@@ -158,9 +158,16 @@ class TrainParams:
               f"linear_decay falls to zero at max_steps ({self.max_steps}), which must come after the "
               f"{self.warmup_steps} warm-up steps")
         check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), not {self.label_smoothing}")
-        check(not self.cuda_graphs or (self.compile and self.shapes == "buckets"), "cuda_graphs",
-              "replays the compiled step, one graph a batch shape: it needs train.compile true and train.shapes "
-              "buckets (a bounded set of shapes)")
+        check(not self.cuda_graphs or (self.compile is not False and self.shapes == "buckets"), "cuda_graphs",
+              "replays the compiled step, one graph a batch shape: it needs train.compile true (or auto) and "
+              "train.shapes buckets (a bounded set of shapes)")
+
+    def resolved(self, gpu: bool) -> TrainParams:
+        """train.compile for where the step runs: auto compiles on GPUs, where the compiled step is the
+        fastest measured (bench.gpu's throughput part), and not on CPUs, where it is no faster and
+        compiling adds minutes (bench.train --compile). It never alters the updates: a run resumes
+        across the two."""
+        return replace(self, compile=gpu if self.compile == "auto" else self.compile)
 
 
 @dataclass(frozen=True)

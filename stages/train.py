@@ -13,26 +13,28 @@ import contextlib
 import dataclasses
 import math
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import extract_model_from_parallel, gather_object, set_seed
+from accelerate.utils import extract_model_from_parallel, gather_object
 
 from stages import vocab
 from stages.batching import token_batches
 from stages.checkpoint import Checkpointer, Processes, Schedule, Stateful, recorded_split, setup_dir
-from stages.devices import default_device, mixed_precision, peak_flops, processes, use_fast_attention
+from stages.devices import attention_kernels, default_device, mixed_precision, peak_flops, processes
 from stages.encode import ParallelIds
 from stages.io import InputPath, OutputPath, PipelineError, Stopped, file_digest, require_dir
 from stages.model_files import ModelMeta, read_model
 from stages.params import TrainParams
 from stages.progress import Bar
-from stages.train_inputs import StepInputs, StepStream, training_sampler, within_positions
+from stages.train_compile import Compiled, LossFunction, compile_seconds, persistent_gradients
+from stages.train_inputs import PreparedStep, StepInputs, StepStream, training_sampler, within_positions
 from stages.train_metrics import MetricsWindow, Progress, StepMetrics, progress_line, summary, write_curves
 from stages.train_state import Agreed, Agreement, ModelState, OptimizerState, ScalerState, SchedulerState, \
     StopRequest, Topology, micro_batch_seed
@@ -42,6 +44,7 @@ from transformer.model import Transformer
 from transformer.schedule import inverse_sqrt_rate, linear_decay_rate
 
 MetricsLogger = Callable[[dict[str, float], int], None]
+T = TypeVar("T")
 
 
 # Train parameters that may change between a run and its resumption: they do not alter the updates.
@@ -96,15 +99,16 @@ def forward_loss(model: torch.nn.Module, src: torch.Tensor, tgt_in: torch.Tensor
 
 class Trainer:
     """One training run: the model, its optimizer and schedule, and the stream of batches. Its progress
-    (step, cost, curves) is a checkpoint part of its own: the Trainer is Stateful."""
+    (step, cost, curves) is a checkpoint part of its own: the Trainer is Stateful. Its step runs
+    forward_loss as written; compile_step compiles it from outside."""
 
     def __init__(self, model_config: TransformerConfig, params: TrainParams, *, encoded_dir: Path,
                  vocab_dir: Path, accelerator: Accelerator, init_weights: Path | None = None,
                  split: int | None = None, identity: dict[str, Any] | None = None) -> None:
         """`split`: the micro-batches a step (train.micro_batches resolved; by default as for a new run);
         `identity`: run_identity's, if already known."""
+        params = params.resolved(gpu=accelerator.device.type == "cuda")
         self.params, self.acc = params, accelerator
-        set_seed(params.seed)
         world, rank = accelerator.num_processes, accelerator.process_index
         self.grad_accum = (split or micro_batches(params.micro_batches, world)) // world
         corpus, self.dev = ParallelIds(encoded_dir, "train"), ParallelIds(encoded_dir, "dev")
@@ -118,17 +122,14 @@ class Trainer:
                                        within_positions(self.dev, model_config.max_positions), bucketed)
         self.dev_batches = dev_batches[rank::world]
 
-        model = Transformer(model_config, vocab.load(vocab_dir).get_piece_size(), vocab.PAD_ID)
+        with torch.random.fork_rng(devices=[]):  # the seed makes the weights; the process's generator is left as it was
+            torch.manual_seed(params.seed)
+            model = Transformer(model_config, vocab.load(vocab_dir).get_piece_size(), vocab.PAD_ID)
         if init_weights is not None:
             _start_from(model, init_weights)
         self.n_parameters = sum(p.numel() for p in model.parameters())
         self.meta = ModelMeta(model_config, model.vocab_size, steps=())
         on_gpu = accelerator.device.type == "cuda"
-        if on_gpu:
-            use_fast_attention()
-        elif params.cuda_graphs:
-            raise PipelineError(f"train.cuda_graphs replays the step on a GPU, and this process trains on "
-                                f"{accelerator.device}: set it to false")
         self.inputs = StepInputs(corpus, model_config, model.vocab_size, self.grad_accum, rank,
                                  pad_multiple=8 if on_gpu else 1, pin=on_gpu,
                                  bucket_budget=self.micro_tokens if bucketed else None)
@@ -146,10 +147,8 @@ class Trainer:
         # copy of the logits and of their gradient. The step runs under acc.autocast() and its loss reads
         # the logits in their own precision, so the wrapper goes.
         extract_model_from_parallel(self.model, keep_fp32_wrapper=False)
-        self.forward_loss = forward_loss
-        if params.compile:  # after DDP wraps the model, as torch recommends; one graph for every batch shape
-            self.forward_loss = torch.compile(forward_loss, dynamic=True,
-                                              mode="reduce-overhead" if params.cuda_graphs else None)
+        self.forward_loss: LossFunction = forward_loss
+        self._compile_start = compile_seconds()
         self.agreement = Agreement(accelerator.device, world, rank, lambda t: accelerator.reduce(t, "sum"))
         self._previous = Agreed(0, {}, 0, False)  # the latest agreement read
         self.progress = Progress()
@@ -195,6 +194,30 @@ class Trainer:
         if self.stream is None:
             self.stream = StepStream(self.inputs, self.sampler)
         prepared, waited = self.stream.next()
+        loss_sum, nll_sum = self._or_eager(lambda: self._accumulate(prepared))
+        self._check(self.agreement.receive())  # the previous step's: copied to the host long ago
+        found_inf = self.agreement.send(self.progress.step + 1, loss_sum, stop, late)
+        grad_norm = acc.clip_grad_norm_(self.model.parameters(), p.clip_norm if p.clip_norm > 0 else math.inf)
+        if acc.scaler is None:  # fp16's scaler skips steps with non-finite gradients itself
+            self.optimizer.optimizer.found_inf = found_inf  # fused Adam skips the update where it is 1
+        lr = self.rate(self.progress.step)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=False)  # in place: gradients persist (train_compile.py says why)
+        self.progress.step += 1
+        metrics = StepMetrics(loss_sum=loss_sum, nll_sum=nll_sum, lr=lr, grad_norm=grad_norm, data_wait=waited,
+                              **asdict(prepared.counts))
+        return StepResult(metrics, self._previous.stop, self._previous.late)
+
+    @property
+    def compiling(self) -> float:
+        """Seconds this run has spent compiling its step and capturing it."""
+        return compile_seconds() - self._compile_start
+
+    def _accumulate(self, prepared: PreparedStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's gradient, summed over its micro-batches into the parameters' gradients, and its
+        summed (smoothed loss, nll) as device tensors."""
+        acc, p = self.acc, self.params
         # Gradients are averaged over processes; scale so the step's gradient is the sum over all its
         # target tokens divided by their global count.
         scale = acc.num_processes / prepared.global_tokens
@@ -207,23 +230,27 @@ class Trainer:
             torch.manual_seed(micro_batch_seed(p.seed, self.progress.step, i * acc.num_processes + acc.process_index))
             if p.cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            with contextlib.nullcontext() if last else acc.no_sync(self.model), acc.autocast():
+            with (contextlib.nullcontext() if last else acc.no_sync(self.model), acc.autocast(),
+                  attention_kernels(acc.device)):
                 loss, nll = self.forward_loss(self.model, src, tgt_in, tgt_out, p.label_smoothing)
                 acc.backward(loss * scale)
             loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
-        self._check(self.agreement.receive())  # the previous step's: copied to the host long ago
-        found_inf = self.agreement.send(self.progress.step + 1, loss_sum, stop, late)
-        grad_norm = acc.clip_grad_norm_(self.model.parameters(), p.clip_norm if p.clip_norm > 0 else math.inf)
-        if acc.scaler is None:  # fp16's scaler skips steps with non-finite gradients itself
-            self.optimizer.optimizer.found_inf = found_inf  # fused Adam skips the update where it is 1
-        lr = self.rate(self.progress.step)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.progress.step += 1
-        metrics = StepMetrics(loss_sum=loss_sum, nll_sum=nll_sum, lr=lr, grad_norm=grad_norm, data_wait=waited,
-                              **asdict(prepared.counts))
-        return StepResult(metrics, self._previous.stop, self._previous.late)
+        return loss_sum, nll_sum
+
+    def _or_eager(self, work: Callable[[], T]) -> T:
+        """`work`, done again as written where compiling its step failed: one warning, never a lost run."""
+        try:
+            return work()
+        except torch._dynamo.exc.TorchDynamoException as error:
+            if not isinstance(self.forward_loss, Compiled):
+                raise
+            cause = getattr(error, "inner_exception", None) or error  # what the compiler raised
+            reason = f"{type(cause).__name__}: {next(iter(str(cause).splitlines()), '')}"
+            print(f"warning: the {self.forward_loss} step failed to compile ({reason}); training goes on "
+                  f"eager", file=sys.stderr, flush=True)
+            self.forward_loss = self.forward_loss.eager
+            self.optimizer.zero_grad(set_to_none=False)  # what the failed try had added
+            return work()
 
     def settle(self) -> Agreed:
         """The last step's agreement now, waiting for it: before a checkpoint is saved and where the run
@@ -242,21 +269,38 @@ class Trainer:
         self._previous = agreed
         return agreed
 
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
         self.model.eval()
+        loss, nll, tokens = self.acc.reduce(self._or_eager(self._dev_sums), "sum").tolist()
+        tokens = max(tokens, 1.0)
+        return {"valid_loss": loss / tokens, "valid_nll": nll / tokens, "valid_ppl": math.exp(nll / tokens)}
+
+    @torch.no_grad()
+    def _dev_sums(self) -> torch.Tensor:
+        """This process's share of the dev set: summed (smoothed loss, nll, target tokens)."""
         sums = torch.zeros(3, device=self.acc.device)
         dev = dataclasses.replace(self.inputs, corpus=self.dev)
         for indices in self.dev_batches:
             src, tgt_in, tgt_out = (x.to(self.acc.device, non_blocking=True) for x in dev.collate(indices))
             if self.params.cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            with self.acc.autocast():
+            with self.acc.autocast(), attention_kernels(self.acc.device):
                 loss, nll = self.forward_loss(self.model, src, tgt_in, tgt_out, self.params.label_smoothing)
             sums += torch.stack([loss.float(), nll.float(), tgt_out.ne(vocab.PAD_ID).sum().float()])
-        loss, nll, tokens = self.acc.reduce(sums, "sum").tolist()
-        tokens = max(tokens, 1.0)
-        return {"valid_loss": loss / tokens, "valid_nll": nll / tokens, "valid_ppl": math.exp(nll / tokens)}
+        return sums
+
+
+def compile_step(trainer: Trainer) -> None:
+    """Compile the trainer's step as train.compile and train.cuda_graphs ask (after Accelerate's prepare
+    has wrapped the model for its processes, as torch recommends)."""
+    p, device = trainer.params, trainer.acc.device
+    if p.cuda_graphs and device.type != "cuda":
+        raise PipelineError(f"train.cuda_graphs replays the step on a GPU, and this process trains on {device}: "
+                            f"set it to false")
+    if p.compile and not isinstance(trainer.forward_loss, Compiled):
+        if p.cuda_graphs:
+            persistent_gradients(list(trainer.model.parameters()))
+        trainer.forward_loss = Compiled(trainer.forward_loss, captured=p.cuda_graphs)
 
 
 def _start_from(model: Transformer, path: Path) -> None:
@@ -306,19 +350,22 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
     acc = accelerator or Accelerator(cpu=default_device().type == "cpu",
                                      mixed_precision=mixed_precision(params.precision))
     init = None if init_weights is None else Path(init_weights)
+    params = params.resolved(gpu=acc.device.type == "cuda")
     identity = run_identity(model_config, params, encoded_dir, Path(vocab_dir), init)
     split = _split(params, acc.num_processes, identity, checkpoint_dir)
     print(f"process {acc.process_index} of {acc.num_processes} on {acc.device}: {split // acc.num_processes} of the "
           f"step's {split} micro-batches", flush=True)
     trainer = Trainer(model_config, params, encoded_dir=encoded_dir, vocab_dir=Path(vocab_dir), accelerator=acc,
                       init_weights=init, split=split, identity=identity)
+    compile_step(trainer)
     checkpoints = checkpointer(trainer, checkpoint_dir)
     checkpoints.start()
     log = log if (log is not None and acc.is_main_process) else (lambda metrics, step: None)
     log({"parameters": trainer.n_parameters, **{f"dropped_{k}": v for k, v in trainer.dropped.items()}}, 0)
     acc.print(f"model: {trainer.n_parameters / 1e6:.1f}M parameters; {len(trainer.sampler)} batches per epoch "
               f"per process; training pairs dropped: {trainer.dropped['over_positions']} longer than "
-              f"model.max_positions, {trainer.dropped['over_budget']} alone over a micro-batch's budget")
+              f"model.max_positions, {trainer.dropped['over_budget']} alone over a micro-batch's budget; "
+              f"the step runs {trainer.forward_loss if isinstance(trainer.forward_loss, Compiled) else 'eager'}")
     with StopRequest() as request:
         try:
             _loop(trainer, checkpoints, log, request)
@@ -330,7 +377,8 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
         checkpoints.save(trainer.progress.step)  # max_steps 0 or already reached: still leave a model behind
     acc.wait_for_everyone()
     return {**summary(trainer.progress, trainer.n_parameters, acc.num_processes, trainer.peak),
-            **{f"dropped_{k}": v for k, v in trainer.dropped.items()}}
+            **{f"dropped_{k}": v for k, v in trainer.dropped.items()},
+            **({"compile_seconds": trainer.compiling} if trainer.compiling else {})}
 
 
 def _loop(trainer: Trainer, checkpoints: Checkpointer, log: MetricsLogger, request: StopRequest) -> None:
@@ -339,6 +387,17 @@ def _loop(trainer: Trainer, checkpoints: Checkpointer, log: MetricsLogger, reque
     where it saves or ends, it waits for its own."""
     acc, params, progress = trainer.acc, trainer.params, trainer.progress
     window = MetricsWindow(trainer.micro_tokens, trainer.grad_accum, acc.num_processes, trainer.peak)
+    reported = 0.0  # seconds compiling, as last logged
+
+    def report_compiling(step: int) -> None:
+        """Log the time compiling where a graph was compiled (or captured): once, or once a shape."""
+        nonlocal reported
+        if (total := trainer.compiling) > reported:
+            log({"compile_seconds": total}, step)
+            if acc.is_main_process:
+                Bar.write(f"step {step}: compiled in {total - reported:.1f} s ({total:.1f} s in all)")
+            reported = total
+
     with Bar(total=params.max_steps, initial=progress.step, desc="train", unit=" steps",
              disable=not acc.is_main_process, mininterval=2) as bar:  # closed before any error is said
         while progress.step < params.max_steps:
@@ -347,6 +406,7 @@ def _loop(trainer: Trainer, checkpoints: Checkpointer, log: MetricsLogger, reque
             window.add(out.metrics, time.perf_counter() - start)
             bar.update(1)
             step = progress.step
+            report_compiling(step)
             if step == params.max_steps or out.stop or checkpoints.due(step, out.snapshot_due):
                 agreed = trainer.settle()  # this step's own agreement, before saving or ending
                 out = dataclasses.replace(out, stop=out.stop or agreed.stop,
@@ -364,6 +424,7 @@ def _loop(trainer: Trainer, checkpoints: Checkpointer, log: MetricsLogger, reque
                 valid = trainer.validate()
                 progress.valid_history.append({"step": step, **valid})
                 log(valid, step)
+                report_compiling(step)
             if kind := checkpoints.due(step, out.snapshot_due) or ("snapshot" if out.stop else None):
                 saved = checkpoints.save(step, snapshot=kind == "snapshot")
             if out.stop:

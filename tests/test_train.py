@@ -154,27 +154,92 @@ def _accelerator():
     return Accelerator(cpu=default_device().type == "cpu")
 
 
-def _trainer(encoded_dir, vocab_dir, **changes):
+def _trainer(encoded_dir, vocab_dir, accelerator=None, **changes):
+    """A trainer of TINY without dropout, its step compiled as `changes` ask."""
     config = TransformerConfig(**{**TINY.__dict__, "dropout": 0.0})
-    return train.Trainer(config, train_params(**changes), encoded_dir=encoded_dir, vocab_dir=vocab_dir,
-                         accelerator=_accelerator())
+    trainer = train.Trainer(config, train_params(**changes), encoded_dir=encoded_dir, vocab_dir=vocab_dir,
+                            accelerator=accelerator or _accelerator())
+    train.compile_step(trainer)
+    return trainer
 
 
-def _gradients_of_one_step(trainer, batches):
-    trainer.sampler = BatchSampler(batches, seed=1)  # one step takes them all, in some order
+def _gradients(trainer, steps=1):
+    """The gradients each of `steps` steps updates with."""
     captured = []
-    step = trainer.optimizer.step
-    trainer.optimizer.step = lambda: (captured.extend(p.grad.clone() for p in trainer.model.parameters()), step())
-    trainer.train_step()
+    update = trainer.optimizer.step
+    trainer.optimizer.step = lambda: (captured.append([p.grad.clone() for p in trainer.model.parameters()]), update())
+    for _ in range(steps):
+        trainer.train_step()
+    trainer.close()
     return captured
 
 
-def test_gradient_accumulation_equals_one_batch_of_the_union(encoded, vocab_dir):
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_gradient_accumulation_equals_one_batch_of_the_union(encoded, vocab_dir, compiled):
     parts = [np.arange(i * 5, i * 5 + 5) for i in range(4)]
-    accumulated = _gradients_of_one_step(_trainer(encoded[0], vocab_dir, micro_batches=4), parts)
-    whole = _gradients_of_one_step(_trainer(encoded[0], vocab_dir, micro_batches=1), [np.concatenate(parts)])
+    trainers = {n: _trainer(encoded[0], vocab_dir, micro_batches=n, compile=compiled) for n in (4, 1)}
+    trainers[4].sampler = BatchSampler(parts, seed=1)  # one step takes them all, in some order
+    trainers[1].sampler = BatchSampler([np.concatenate(parts)], seed=1)
+    [accumulated], [whole] = _gradients(trainers[4]), _gradients(trainers[1])
     for a, b in zip(accumulated, whole, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    if compiled:
+        assert all(isinstance(t.forward_loss, train.Compiled) for t in trainers.values())  # neither fell back
+
+
+def test_a_trainer_leaves_the_process_as_it_found_it(encoded, vocab_dir):
+    """The seed makes the weights without reseeding the process; attention kernels are chosen within
+    the step (on GPUs), not switched for the whole process."""
+    torch.manual_seed(123)
+    generator, kernels = torch.get_rng_state(), torch.backends.cuda.cudnn_sdp_enabled()
+    trainers = [_trainer(encoded[0], vocab_dir) for _ in range(2)]
+    assert torch.equal(torch.get_rng_state(), generator)
+    for a, b in zip(*(t.model.parameters() for t in trainers), strict=True):
+        assert torch.equal(a, b)
+    trainers[0].train_step()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == kernels
+    for trainer in trainers:
+        trainer.close()
+
+
+def test_auto_compiles_the_step_on_gpus_only_and_a_run_resumes_across_the_two(encoded, vocab_dir):
+    auto = train_params(compile="auto")
+    assert auto.resolved(gpu=True).compile is True and auto.resolved(gpu=False).compile is False
+    assert train_params(compile=False).resolved(gpu=True).compile is False
+    identity = {gpu: train.run_identity(TINY, auto.resolved(gpu), encoded[0], vocab_dir, None) for gpu in (True, False)}
+    assert identity[True] == identity[False]  # compiling never alters the updates
+    trainer = _trainer(encoded[0], vocab_dir, compile="auto")
+    assert isinstance(trainer.forward_loss, train.Compiled) == (default_device().type == "cuda")
+    trainer.close()
+
+
+def test_a_step_that_fails_to_compile_trains_eager_after_one_warning(encoded, vocab_dir, tmp_path, monkeypatch,
+                                                                     capfd):
+    """A machine without what torch.compile needs (a C++ compiler, Triton) still trains: the step that
+    failed is done again as written, and so is every later one."""
+    import torch._inductor.compile_fx
+
+    def no_compiler(*args, **kwargs):
+        raise torch._inductor.exc.InvalidCxxCompiler()
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", no_compiler)
+    torch._dynamo.reset()
+    history = {}
+    for compiled in (False, True):
+        config = dataclasses.replace(TINY, dropout=0.0)
+        out = tmp_path / str(compiled)
+        metrics = train.run(config, train_params(max_steps=4, compile=compiled, log_every=1, validate_every=2),
+                            encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=out,
+                            plots_dir=tmp_path / "plots")
+        checkpoint = read_checkpoint(current_dir(out) / "checkpoint-00000004.pt")
+        history[compiled] = [(r["loss"], r["grad_norm"]) for r in checkpoint.parts["progress"]["history"]]
+        assert compiled or "compile_seconds" not in metrics  # eager: no time compiling to report
+    assert history[True] == history[False]
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning")]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("warning: the compiled step failed to compile (InvalidCxxCompiler: No working C++ "
+                                  "compiler found in torch._inductor.config.cpp.cxx")
+    assert warnings[0].endswith("); training goes on eager")
 
 
 def test_a_non_finite_loss_skips_its_update_on_the_device_and_stops_the_next_step(encoded, vocab_dir, monkeypatch):
@@ -419,22 +484,30 @@ def test_compiled_training_equals_eager_and_compiles_once_for_all_lengths(encode
     from stages.encode import ParallelIds
     from transformer.model import Transformer
 
-    history, models, graphs = {}, {}, {}
+    history, models, graphs, compiling = {}, {}, {}, {}
     runs = [(False, 0.0), (True, 0.0)] + ([(True, TINY.dropout)] if shapes == "buckets" else [])
     for compiled, dropout in runs:
         config = dataclasses.replace(TINY, dropout=dropout)
         torch._dynamo.reset()
         counters.clear()
-        out = tmp_path / f"{compiled}-{dropout}"
-        train.run(config, train_params(max_steps=8, compile=compiled, shapes=shapes, log_every=1, validate_every=100),
-                  encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=out, plots_dir=tmp_path / "plots")
+        out, logged = tmp_path / f"{compiled}-{dropout}", []
+        metrics = train.run(config, train_params(max_steps=8, compile=compiled, shapes=shapes, log_every=1,
+                                                 validate_every=100),
+                            encoded_dir=encoded[0], vocab_dir=vocab_dir, checkpoint_dir=out,
+                            plots_dir=tmp_path / "plots",
+                            log=lambda values, step: logged.append((step, values.get("compile_seconds"))))
         graphs[compiled, dropout] = counters["stats"]["unique_graphs"]
+        compiling[compiled, dropout] = ([(step, seconds > 0) for step, seconds in logged if seconds is not None],
+                                        metrics.get("compile_seconds", 0) > 0)
         checkpoint = read_checkpoint(current_dir(out) / "checkpoint-00000008.pt")
         history[compiled, dropout] = [r["loss"] for r in checkpoint.parts["progress"]["history"]]
         models[compiled, dropout] = Transformer(config, checkpoint.meta.vocab_size, 0).eval()
         models[compiled, dropout].load_state_dict(checkpoint.parts["model"])
     # training and validation (eval mode) at the end: not one graph per batch shape, and not none
     assert graphs == {run: (2 if run[0] else 0) for run in runs}
+    # the time compiling is logged where a graph compiled (the first step's, then the eval graph's at step 8),
+    # and is in the run's figures
+    assert compiling == {run: ([(1, True), (8, True)], True) if run[0] else ([], False) for run in runs}
     trainer = _trainer(encoded[0], vocab_dir, shapes=shapes)
     seen = {tuple(x.shape for x in trainer.inputs.prepare(trainer.sampler).micro[0]) for _ in range(8)}
     assert len(seen) >= 3  # the steps' batches came in several shapes
@@ -520,9 +593,47 @@ def test_under_bf16_the_loss_reads_the_logits_in_bf16(encoded, vocab_dir, monkey
 
 
 def test_cuda_graphs_need_a_gpu_compile_and_buckets(encoded, vocab_dir):
-    with pytest.raises(ValueError, match="needs train.compile true and train.shapes buckets"):
-        train_params(cuda_graphs=True, compile=True)
+    with pytest.raises(ValueError, match=r"needs train.compile true \(or auto\) and train.shapes buckets"):
+        train_params(cuda_graphs=True, compile=True, shapes="exact")
     if default_device().type == "cpu":
         with pytest.raises(PipelineError, match="train.cuda_graphs replays the step on a GPU, and this process "
                                                 "trains on cpu: set it to false"):
             _trainer(encoded[0], vocab_dir, cuda_graphs=True, compile=True, shapes="buckets")
+
+
+def test_a_captured_step_has_a_graph_for_each_batch_shape_past_torchs_default_limit():
+    """Captured, a step compiles one static graph a shape (a CUDA graph replays fixed shapes): bucketed
+    batches bring up to 16, which must not fall back to eager after torch's default of 8."""
+    from torch._dynamo.utils import counters
+
+    def forward_loss(model, src, tgt_in, tgt_out, epsilon):
+        return model(src.float()).sum(), tgt_out.sum()
+
+    torch._dynamo.reset()
+    counters.clear()
+    step, model = train.Compiled(forward_loss, captured=True), torch.nn.Linear(4, 2)
+    for rows in range(1, 11):
+        x = torch.ones(rows, 4)
+        loss, _ = step(model, x, x, x, 0.1)
+        assert float(loss.detach()) == pytest.approx(float(model(x).detach().sum()))
+    assert counters["stats"]["unique_graphs"] == 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs replay on a GPU")
+def test_captured_steps_update_with_the_eager_steps_gradients(encoded, vocab_dir):
+    """Three steps of two micro-batches each, in bf16: a replay that overwrote the gradient an earlier
+    one left (or the first micro-batch's, kept as .grad) would give twice one micro-batch's."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    grads = {}
+    for captured in (False, True):
+        AcceleratorState._reset_state(True)
+        trainer = _trainer(encoded[0], vocab_dir, Accelerator(mixed_precision="bf16"), micro_batches=2,
+                           shapes="buckets", compile=captured, cuda_graphs=captured)
+        grads[captured] = _gradients(trainer, steps=3)
+    AcceleratorState._reset_state(True)
+    for eager, replayed in zip(grads[False], grads[True], strict=True):
+        scale = max(float(g.abs().max()) for g in eager)
+        for a, b in zip(eager, replayed, strict=True):
+            torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2 * scale)

@@ -91,13 +91,14 @@ def table(results: dict[str, Any]) -> str:
     if throughput := results.get("throughput"):
         lines += [f"Training, bf16, {results['batch_tokens']} target tokens a step (the train stage's step "
                   "against MarianMT of the same shape, on the same batches):", "",
-                  "| model | system | accumulation | target tokens/s | TFLOP/s | MFU | peak memory (GB) |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| model | system | accumulation | target tokens/s | TFLOP/s | MFU | peak memory (GB) "
+                  "| compiling (s) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in throughput:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
             memory = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
             lines.append(f"| {r['model']} | {r['system']} | {r['grad_accum']} | {r['tgt_tokens_per_sec']:,.0f} | "
-                         f"{r['tflops']:.3g} | {mfu} | {memory} |")
+                         f"{r['tflops']:.3g} | {mfu} | {memory} | {r['compile_seconds']:.0f} |")
         lines += [""] + [f"{which} / MarianMT: {ratio:.2f}x" for which, ratio in results["over_marian"].items()]
         lines.append("")
     for r in results.get("profile", []):
@@ -134,7 +135,8 @@ def record_results(results: dict[str, Any]) -> None:
                f"train stage's step against MarianMT's{size}",
                [{"model": r["model"], "system": r["system"], "accumulation": r["grad_accum"],
                  "target tokens/s": round(r["tgt_tokens_per_sec"]), "TFLOP/s": round(r["tflops"], 1),
-                 "MFU": f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", "peak memory (GB)": r["peak_memory_gb"]}
+                 "MFU": f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", "peak memory (GB)": r["peak_memory_gb"],
+                 "compiling (s)": round(r["compile_seconds"])}
                 for r in throughput],
                "; ".join(f"{which} / MarianMT {ratio:.2f}x" for which, ratio in results["over_marian"].items()))
     if d := results.get("decode"):

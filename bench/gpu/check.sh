@@ -2,9 +2,10 @@
 # The GPU checks, each one command planned to end within 8 minutes (bench.gpu's --budget stops the parts
 # when their share is spent and reports those not begun; the machine's start is not counted):
 #
-#   bash bench/gpu/check.sh speed      # base: the step by default (eager), compiled, captured (CUDA graphs) and
-#                                      # MarianMT of the same shape, a profile of the default; then big, eager
-#                                      # and compiled, while its 2 minutes last
+#   bash bench/gpu/check.sh speed      # the CUDA test of the captured step's gradients against eager's; base:
+#                                      # the step by default (compiled), eager, MarianMT of the same shape,
+#                                      # compiled on bucket shapes, captured (CUDA graphs), a profile of the
+#                                      # default; then big, by default and eager, while its 80 s last
 #   bash bench/gpu/check.sh quality    # fp32 / bf16 / captured bf16 loss curves on the same batches; the Multi30k
 #                                      # GPU preset end to end
 #   bash bench/gpu/check.sh multi30k   # the Multi30k GPU tries of bench/gpu/multi30k-tries.yaml, each end to end
@@ -25,9 +26,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
 case $what in
   speed)
-    python3 -m bench.gpu --models base --parts throughput,profile --systems ours,marian,compiled,captured \
-      --part-timeout 150 --budget 330 --out "$out/speed-base.json" || true
-    python3 -m bench.gpu --models big --parts throughput --systems ours,compiled --budget 110 \
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_train.py -k captured_steps 2>&1 \
+      | tee "$out/captured-test.log" || true
+    python3 -m bench.gpu --models base --parts throughput,profile --systems ours,eager,marian,compiled,captured \
+      --part-timeout 150 --budget 280 --out "$out/speed-base.json" || true
+    python3 -m bench.gpu --models big --parts throughput --systems ours,eager --budget 80 \
       --out "$out/speed-big.json" || true ;;
   quality) python3 -m bench.gpu --parts curves,multi30k --tries preset --budget 450 --out "$out/quality.json" || true ;;
   multi30k) python3 -m bench.gpu --parts multi30k --budget 450 --out "$out/multi30k.json" || true ;;

@@ -7,7 +7,7 @@ from typing import Any
 
 from bench.common import model_config
 from bench.gpu import Sizes
-from bench.gpu.throughput import COMPILED_WARMUP, SYSTEMS, _ours
+from bench.gpu.throughput import SYSTEMS, _ours, warmup_steps
 
 
 def profile(sizes: Sizes, work: Path, system: str) -> dict[str, Any]:
@@ -34,7 +34,7 @@ def profile(sizes: Sizes, work: Path, system: str) -> dict[str, Any]:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    for _ in range(sizes.warmup_steps if not SYSTEMS[system] else max(sizes.warmup_steps, COMPILED_WARMUP)):
+    for _ in range(warmup_steps(sizes, system)):
         step()
     wall = run_steps()
     with profiler(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]) as prof:

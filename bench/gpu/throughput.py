@@ -14,7 +14,8 @@ from bench.gpu import Sizes
 from stages.train_inputs import BatchCounts
 
 # The train stage's step settings measured, by name; "marian" is MarianMT's step.
-SYSTEMS = {"ours": {},  # as params.yaml has it: eager, each batch padded to its longest pair (a multiple of 8)
+SYSTEMS = {"ours": {},  # as params.yaml has it: on a GPU, compiled, on bucket shapes
+           "eager": {"compile": False, "shapes": "exact"},  # each batch padded to its longest pair (a multiple of 8)
            "compiled": {"compile": True, "shapes": "buckets"},
            "captured": {"compile": True, "shapes": "buckets", "cuda_graphs": True}}
 # Steps before timing where the step is compiled: a dynamic-shape graph's first calls compile it, and
@@ -26,11 +27,10 @@ def throughput(sizes: Sizes, work: Path, model: str, system: str, accum: int) ->
     """Timed optimizer steps of ours (the train stage's step) or of MarianMT on the same batches."""
     import torch
 
-    from stages.devices import default_device, peak_flops, use_fast_attention
+    from stages.devices import attention_kernels, default_device, peak_flops
+    from stages.train_compile import compile_seconds
 
     device = default_device()
-    if device.type == "cuda":
-        use_fast_attention()  # for MarianMT too, which also calls scaled_dot_product_attention
     if system == "marian":
         step, parameters, close = _marian(sizes, work, model_config(model), accum)
     else:
@@ -39,23 +39,34 @@ def throughput(sizes: Sizes, work: Path, model: str, system: str, accum: int) ->
         torch.cuda.reset_peak_memory_stats()
     tokens = flops = 0
     seconds = 0.0
-    warmup = sizes.warmup_steps if not SYSTEMS.get(system) else max(sizes.warmup_steps, COMPILED_WARMUP)
-    for i in range(warmup + sizes.timed_steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        counts = step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            seconds += time.perf_counter() - start
-            tokens, flops = tokens + counts.tokens, flops + counts.flops
+    warmup = warmup_steps(sizes, system)
+    with attention_kernels(device):  # for MarianMT too, which also calls scaled_dot_product_attention
+        for i in range(warmup + sizes.timed_steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            counts = step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= warmup:
+                seconds += time.perf_counter() - start
+                tokens, flops = tokens + counts.tokens, flops + counts.flops
     close()
+    compiling = compile_seconds()  # this part's process has compiled nothing else
     peak = peak_flops(device, "bf16")
     return {"model": model, "system": system, "grad_accum": accum, "parameters": parameters,
-            "tgt_tokens_per_sec": tokens / seconds, "tflops": flops / seconds / 1e12,
+            "tgt_tokens_per_sec": tokens / seconds, "compile_seconds": compiling, "tflops": flops / seconds / 1e12,
             "mfu": flops / seconds / peak if peak else None,
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+
+
+def warmup_steps(sizes: Sizes, system: str) -> int:
+    """Untimed steps before timing `system`: more where its step is compiled (here, as params.yaml and
+    the system's settings resolve)."""
+    import torch
+
+    compiled = system in SYSTEMS and train_params(**SYSTEMS[system]).resolved(gpu=torch.cuda.is_available()).compile
+    return max(sizes.warmup_steps, COMPILED_WARMUP) if compiled else sizes.warmup_steps
 
 
 def _ours(sizes: Sizes, work: Path, config, accum: int, settings: dict[str, Any]):
@@ -68,6 +79,7 @@ def _ours(sizes: Sizes, work: Path, config, accum: int, settings: dict[str, Any]
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16")
     trainer = train.Trainer(config, train_params(batch_tokens=sizes.batch_tokens, micro_batches=accum, **settings),
                             encoded_dir=work / "encoded", vocab_dir=work / "vocab", accelerator=accelerator)
+    train.compile_step(trainer)
     return lambda: trainer.train_step().metrics, trainer.n_parameters, trainer.close
 
 
