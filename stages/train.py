@@ -350,7 +350,6 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
     acc = accelerator or Accelerator(cpu=default_device().type == "cpu",
                                      mixed_precision=mixed_precision(params.precision))
     init = None if init_weights is None else Path(init_weights)
-    params = params.resolved(gpu=acc.device.type == "cuda")
     identity = run_identity(model_config, params, encoded_dir, Path(vocab_dir), init)
     split = _split(params, acc.num_processes, identity, checkpoint_dir)
     print(f"process {acc.process_index} of {acc.num_processes} on {acc.device}: {split // acc.num_processes} of the "
