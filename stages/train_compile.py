@@ -38,6 +38,9 @@ class Compiled:
 
     def __init__(self, eager: LossFunction, captured: bool) -> None:
         self.eager, self.captured = eager, captured
+        # Captured, shapes are static: torch 2.11's CUDA graphs of a dynamic-shape backward segfault on an
+        # H100 where static ones replay eager's gradients (tests/test_train.py: test_captured_steps_update_
+        # with_the_eager_steps_gradients, run by bench/gpu/check.sh speed).
         self.compiled = torch.compile(eager, dynamic=not captured, mode="reduce-overhead" if captured else None)
 
     def __call__(self, *args) -> tuple[torch.Tensor, torch.Tensor]:

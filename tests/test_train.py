@@ -626,13 +626,18 @@ def test_captured_steps_update_with_the_eager_steps_gradients(encoded, vocab_dir
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
+    from torch._dynamo.utils import counters
+
     grads = {}
+    counters.clear()
     for captured in (False, True):
         AcceleratorState._reset_state(True)
         trainer = _trainer(encoded[0], vocab_dir, Accelerator(mixed_precision="bf16"), micro_batches=2,
                            shapes="buckets", compile=captured, cuda_graphs=captured)
         grads[captured] = _gradients(trainer, steps=3)
     AcceleratorState._reset_state(True)
+    assert isinstance(trainer.forward_loss, train.Compiled)  # it did not fall back to eager
+    assert counters["inductor"]["cudagraph_skips"] == 0  # and replayed CUDA graphs, never skipped them
     for eager, replayed in zip(grads[False], grads[True], strict=True):
         scale = max(float(g.abs().max()) for g in eager)
         for a, b in zip(eager, replayed, strict=True):
