@@ -131,14 +131,19 @@ def record_results(results: dict[str, Any]) -> None:
 
     size = " (smoke sizes)" if results["smoke"] else ""
     if throughput := results.get("throughput"):
-        record("gpu", f"throughput{size}", f"Training steps of {results['batch_tokens']:,} target tokens in bf16, the "
-               f"train stage's step against MarianMT's{size}",
+        # one result per models and systems asked: a run of some of them keeps the others' figures
+        asked = f"{' and '.join(results['models'])}: {', '.join(results['systems'])}"
+        unfinished = [f"{part.split(':', 1)[1]} {why}" for part, why in results["errors"].items()
+                      if part.startswith("throughput:")]
+        record("gpu", f"throughput {asked}{size}", f"Training steps of {results['batch_tokens']:,} target tokens "
+               f"in bf16, the train stage's step against MarianMT's ({asked}){size}",
                [{"model": r["model"], "system": r["system"], "accumulation": r["grad_accum"],
                  "target tokens/s": round(r["tgt_tokens_per_sec"]), "TFLOP/s": round(r["tflops"], 1),
                  "MFU": f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", "peak memory (GB)": r["peak_memory_gb"],
                  "compiling (s)": round(r["compile_seconds"])}
                 for r in throughput],
-               "; ".join(f"{which} / MarianMT {ratio:.2f}x" for which, ratio in results["over_marian"].items()))
+               "; ".join([*(f"{which} / MarianMT {ratio:.2f}x" for which, ratio in results["over_marian"].items()),
+                          *(f"not finished: {why}" for why in unfinished)]))
     if d := results.get("decode"):
         record("gpu", f"decode{size}", f"Beam search on the GPU, {d['sentences']} sentences of newstest2014, beam 4, "
                f"weights: {d['weights']}{size}", d["rows"], d["summary"])
@@ -209,7 +214,7 @@ def main() -> None:
     start = time.perf_counter()
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                                "smoke": args.smoke, "batch_tokens": sizes.batch_tokens, "torch": torch.__version__,
-                               "errors": {}}
+                               "models": args.models or list(sizes.models), "systems": systems, "errors": {}}
 
     def measured(key: str, part: str) -> dict[str, Any] | None:
         """A part's result, or None with its error recorded; the JSON rewritten either way."""
@@ -228,7 +233,7 @@ def main() -> None:
                 raise SystemExit(f"bench.gpu: preparing the data failed: {results['errors']['prepare']}")
         if "throughput" in args.parts:
             results["throughput"], results["over_marian"] = [], {}
-            for m in args.models or sizes.models:
+            for m in results["models"]:
                 for system in systems:
                     if r := measured("throughput", f"throughput:{m}:{system}"):
                         results["throughput"].append(r)

@@ -54,11 +54,11 @@ def multi30k(sizes: Sizes, work: Path, name: str, overrides: dict[str, Any]) -> 
         "score": lambda: score.run(params.score, hyp_dir=paths["hyps"], ref_dir=paths["raw"]),
     }
     seconds, metrics = {}, {}
-    for name, run in stages.items():
+    for stage, run in stages.items():
         start = time.perf_counter()
-        metrics[name] = run()
-        seconds[name] = time.perf_counter() - start
-        print(f"multi30k: {name} done in {seconds[name]:.0f} s", flush=True)
+        metrics[stage] = run()
+        seconds[stage] = time.perf_counter() - start
+        print(f"multi30k: {stage} done in {seconds[stage]:.0f} s", flush=True)
     return {"try": name, "overrides": overrides, "seconds": seconds, "total_seconds": sum(seconds.values()),
             "steps": params.train.max_steps, "train": metrics["train"],
             **{kind: {split: metrics["score"][split][kind] for split in ("dev", "test")}
