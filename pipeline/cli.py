@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             from pipeline import flow
 
             names = ["quickstart", *args.preset] if args.command == "quickstart" else args.preset
+            flow.quiet_if_the_server_is_lost()
             try:
                 state = flow.pipeline(presets=names, overrides=presets.collect_overrides([], args.overrides),
                                       return_state=True)

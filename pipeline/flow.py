@@ -239,6 +239,26 @@ def pipeline(presets: list[str] | None = None, overrides: dict[str, Any] | None 
     return {"stages": states, "scores": scores}
 
 
+def quiet_if_the_server_is_lost() -> None:
+    """A Prefect server that stops answering costs the command one warning line, and no waiting.
+
+    Prefect's events client retries each event 10 times, pausing a second from the fourth, and the
+    process drains its queue at exit: with the server gone, a flow's end waited about 7 s an event
+    (a minute in tests/test_pipeline_team.py's lost server). Two quick reconnections still ride out a
+    dropped websocket; Prefect Cloud and the temporary server Prefect starts itself keep the defaults.
+    Prefect's API log worker writes each failed batch's error to stderr, unless logging is told not to
+    (with no newline, so it ran into the command's own last line); the command says it once.
+    """
+    import logging
+
+    from prefect.events.clients import PrefectEventsClient
+    from prefect.events.worker import EventsWorker, emit_events_to_cloud, should_emit_events_to_running_server
+
+    if should_emit_events_to_running_server() and not emit_events_to_cloud():
+        EventsWorker.set_client_override(PrefectEventsClient, reconnection_attempts=2)
+    logging.raiseExceptions = False
+
+
 def server_lost(error: BaseException | str) -> str | None:
     """'the Prefect server ... was lost' when the flow ended because its server stopped answering (an
     exception out of the flow, or a task's failure message); None for any other ending."""
