@@ -8,7 +8,9 @@ Both sides run one optimizer step exactly as a training loop does: forward, labe
 cross-entropy summed over target tokens, backward, Adam. Batch shapes come from the pipeline's own
 token batching over the lengths of the shared WMT14 training samples (subword lengths estimated as
 1.3 x words) with random token ids, so the padding is what training sees. The two models are timed
-in alternation, and the figure is target tokens (padding excluded) per second.
+in alternation, and the figure is target tokens (padding excluded) per second. On CPUs both run with
+glibc's allocator as the train stage sets it (stages/devices.py); `--default-malloc` leaves it as it
+comes, so two runs show what the setting is worth.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 from stages import export
 from stages.batching import collate, token_batches
-from stages.devices import default_device
+from stages.devices import default_device, keep_freed_host_memory
 from stages.train import forward_loss
 from stages.vocab import PAD_ID
 from bench.common import CORPORA, MODELS, model_settings
@@ -85,9 +87,13 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile both models")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="then profile this many of ours' steps and print where their time goes")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="CPUs: leave glibc's allocator as it comes, not as the train stage sets it")
     args = ap.parse_args()
 
     device = default_device()
+    if device.type == "cpu" and not args.default_malloc:
+        keep_freed_host_memory()  # as the train stage does: both models' steps run under it
     torch.manual_seed(0)
     chosen = model_settings(args.preset)
     config, args.vocab_size = chosen.model, args.vocab_size or chosen.vocab.vocab_size
@@ -147,9 +153,9 @@ def main() -> None:
                 step("ours", *batch)
         print(f"Where {args.profile} of ours' steps spend their time (self CPU time, the largest first):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    compiled = ", compiled" if args.compile else ""
-    record("train", f"{args.preset} {args.precision} {args.batch_tokens}{compiled}",
-           f"Training steps, {args.preset} model, {args.precision}{compiled}, {args.batch_tokens} tokens a side",
+    how = (", compiled" if args.compile else "") + (", default malloc" if args.default_malloc else "")
+    record("train", f"{args.preset} {args.precision} {args.batch_tokens}{how}",
+           f"Training steps, {args.preset} model, {args.precision}{how}, {args.batch_tokens} tokens a side",
            rows, summary)
 
 

@@ -6,6 +6,8 @@ benches all run on the same device with the same rules; how decoding runs there 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 
 import torch
 
@@ -43,6 +45,20 @@ def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+@functools.cache
+def keep_freed_host_memory() -> None:
+    """Training on CPUs: glibc serves every block from its heap and keeps what is freed there. By
+    default a block over 32 MB (a step's logits and their gradient, whatever the model) is fresh pages
+    mapped from the OS at every step, each zeroed by the kernel on first touch, and unmapped at its
+    free: the multi30k preset's step 1.1-1.2x slower (`python -m bench.train --preset multi30k`, with
+    and without --default-malloc). The process keeps its peak memory instead. No-op without glibc."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own symbols: the C library's
+    if mallopt is not None:
+        m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+        mallopt(m_mmap_max, 0)
+        mallopt(m_trim_threshold, 1 << 30)
 
 
 def mixed_precision(choice: str) -> str:

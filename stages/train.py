@@ -27,7 +27,8 @@ from accelerate.utils import extract_model_from_parallel, gather_object
 from stages import vocab
 from stages.batching import token_batches
 from stages.checkpoint import Checkpointer, Processes, Schedule, Stateful, recorded_split, setup_dir
-from stages.devices import attention_kernels, default_device, mixed_precision, peak_flops, processes
+from stages.devices import attention_kernels, default_device, keep_freed_host_memory, mixed_precision, peak_flops, \
+    processes
 from stages.encode import ParallelIds
 from stages.io import InputPath, OutputPath, PipelineError, Stopped, file_digest, require_dir
 from stages.model_files import ModelMeta, read_model
@@ -349,6 +350,8 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
     encoded_dir = require_dir(encoded_dir, "encoded data (encode stage output)")
     acc = accelerator or Accelerator(cpu=default_device().type == "cpu",
                                      mixed_precision=mixed_precision(params.precision))
+    if acc.device.type == "cpu":
+        keep_freed_host_memory()
     init = None if init_weights is None else Path(init_weights)
     identity = run_identity(model_config, params, encoded_dir, Path(vocab_dir), init)
     split = _split(params, acc.num_processes, identity, checkpoint_dir)
