@@ -83,6 +83,37 @@ def train_command(params: Path, encoded: Path, vocab_dir: Path, out: Path) -> li
             "--metrics", str(out / "train.json")]
 
 
+FREED_BYTES_KEPT = """
+import ctypes, sys, torch
+{prepare}
+x = torch.ones({block_mb} << 18)  # by glibc's default a block of its own, mapped from the OS and unmapped at free
+del x
+libc = ctypes.CDLL("libc.so.6")
+new = hasattr(libc, "mallinfo2")  # glibc 2.33 on; before it mallinfo, the same fields in ints
+class MallInfo(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t if new else ctypes.c_int)
+                for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+mallinfo = libc.mallinfo2 if new else libc.mallinfo
+mallinfo.restype = MallInfo
+print(mallinfo().fordblks)
+"""
+
+
+def freed_bytes_kept(prepare: str, block_mb: int, *args: str | Path) -> int:
+    """The free bytes glibc's heap holds once a fresh process has run `prepare` (Python, its arguments
+    `args`) and then made and freed a tensor of `block_mb` MB: the block's size or more where it was
+    kept for reuse. Skips where there is no glibc (the setting and its statistics are glibc's)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallinfo
+    except (OSError, AttributeError):
+        pytest.skip("no glibc here, where the allocator's settings do nothing")
+    script = FREED_BYTES_KEPT.format(prepare=prepare, block_mb=block_mb)
+    return int(subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.splitlines()[-1])
+
+
 def download_params(shared: Path, work: Path, **changes) -> DownloadParams:
     local = dict(dir=str(work / "corpus"),
                  train=(ParallelFiles("europarl-v7.first10k.en", "europarl-v7.first10k.de"),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, train_params
+from conftest import TINY, freed_bytes_kept, train_command, train_params, train_params_file
 from stages import train
 from stages.batching import BatchSampler
 from stages.devices import default_device
@@ -642,3 +642,21 @@ def test_captured_steps_update_with_the_eager_steps_gradients(encoded, vocab_dir
         scale = max(float(g.abs().max()) for g in eager)
         for a, b in zip(eager, replayed, strict=True):
             torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2 * scale)
+
+
+TRAINED = """
+from pipeline import stage
+assert stage.main(["train", *sys.argv[1:]]) == 0
+"""
+
+
+def test_training_on_cpus_keeps_freed_blocks_of_any_size_for_the_next_step(encoded, vocab_dir, tmp_path):
+    """After the train stage's command has run a step on the CPU, a freed 64 MB block (a step's logits
+    and their gradient are such blocks) stays in glibc's heap for the next step instead of going back
+    to the OS (devices.keep_freed_host_memory), as it does by default and under decoding's setting."""
+    params = train_params_file(tmp_path, **{"train.max_steps": 1})
+    flags = train_command(params, encoded[0], vocab_dir, tmp_path)[3:]  # after `-m pipeline.stage train`
+    decoding = "from translate import cpu; cpu.keep_freed_memory()"
+    kept = {how: freed_bytes_kept(prepare, 64, *flags) for how, prepare in
+            (("default", ""), ("decoding's", decoding), ("trained", TRAINED))}
+    assert kept["default"] < 64 << 20 and kept["decoding's"] < 64 << 20 <= kept["trained"], kept

@@ -11,7 +11,7 @@ import typing
 import pytest
 import torch
 
-from conftest import BOS, EOS, PAD, tiny_model
+from conftest import BOS, EOS, PAD, freed_bytes_kept, tiny_model
 from stages import decode, vocab
 from stages.io import read_lines
 from stages.params import DecodeParams, Precision
@@ -351,41 +351,19 @@ def test_int8_model_runs_every_product_in_int8_close_to_fp32(averaged, on_cpu):
     assert 0 < error < 0.05, error  # quantized (not fp32 under another name), and no product far off
 
 
-FREED_BYTES_KEPT = """
-import ctypes, sys, torch
+DECODED = """
 from stages import decode, vocab
-from stages.io import read_lines
-from stages.params import DecodeParams, Precision
-if sys.argv[1] == "decoded":  # a line translated on the CPU first, as the decode stage does
-    params = DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="exact",
-                                 max_length_extra=5, batch_tokens=100)
-    decode.translate(decode.load_translator(sys.argv[2], torch.device("cpu")), vocab.load(sys.argv[3]), ["a dog"],
-                     params)
-x = torch.ones(4 << 20)  # 16 MB: by glibc's default a block of its own, mapped from the OS and unmapped at free
-del x
-libc = ctypes.CDLL("libc.so.6")
-new = hasattr(libc, "mallinfo2")  # glibc 2.33 on; before it mallinfo, the same fields in ints
-class MallInfo(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t if new else ctypes.c_int)
-                for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-mallinfo = libc.mallinfo2 if new else libc.mallinfo
-mallinfo.restype = MallInfo
-print(mallinfo().fordblks)
+from stages.params import DecodeParams
+params = DecodeParams(beam_size=2, length_penalty=0.6, length_penalty_formula="gnmt", stop="exact", max_length_extra=5,
+                      batch_tokens=100)
+decode.translate(decode.load_translator(sys.argv[1], torch.device("cpu")), vocab.load(sys.argv[2]), ["a dog"], params)
 """
 
 
 def test_decoding_on_cpus_keeps_freed_memory_for_the_next_step(averaged, vocab_dir):
-    """After the decode stage has run on the CPU, freed blocks stay in glibc's heap for the next step's
-    tensors instead of going back to the OS (cpu.keep_freed_memory), which they do by default."""
-    import ctypes
-    import subprocess
-    import sys
-
-    try:
-        ctypes.CDLL("libc.so.6").mallinfo
-    except (OSError, AttributeError):
-        pytest.skip("no glibc here, where keep_freed_memory does nothing (the setting and its statistics are glibc's)")
-    kept = {how: int(subprocess.run([sys.executable, "-c", FREED_BYTES_KEPT, how, str(averaged[0]), str(vocab_dir)],
-                                    capture_output=True, text=True, check=True).stdout)
-            for how in ("default", "decoded")}
+    """After the decode stage has run on the CPU (a line translated), a freed 16 MB block stays in
+    glibc's heap for the next step's tensors instead of going back to the OS (cpu.keep_freed_memory),
+    as it does by default."""
+    kept = {how: freed_bytes_kept(prepare, 16, averaged[0], vocab_dir) for how, prepare in
+            (("default", ""), ("decoded", DECODED))}
     assert kept["default"] < 16 << 20 <= kept["decoded"], kept
