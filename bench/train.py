@@ -15,6 +15,7 @@ comes, so two runs show what the setting is worth.
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -107,12 +108,14 @@ def main() -> None:
         runs[name] = (model, step_fn, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
                                                         fused=True))
     times: dict[str, list[float]] = {name: [] for name in runs}
+    faults: dict[str, list[int]] = {name: [] for name in runs}  # pages the OS mapped in, zeroed, for the step
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
 
-    def step(name: str, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> float:
+    def step(name: str, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[float, int]:
         model, step_fn, optimizer = runs[name]
         if device.type == "cuda":
             torch.cuda.synchronize()
+        mapped = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=dtype, enabled=args.precision != "fp32"):
             loss = step_fn(src, tgt_in, tgt_out)
@@ -121,14 +124,15 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - mapped
 
     data = [tuple(x.to(device) for x in batch) for batch in data]
     for i, batch in enumerate(data):
         for name in runs:  # alternate, so drift hits both alike
-            seconds = step(name, *batch)
+            seconds, pages = step(name, *batch)
             if i >= args.warmup:
                 times[name].append(seconds)
+                faults[name].append(pages)
     tokens = sum(int(t.ne(PAD_ID).sum()) for _, _, t in data[args.warmup :])
     params = {name: sum(p.numel() for p in m.parameters()) for name, (m, _, _) in runs.items()}
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"{torch.get_num_threads()} threads"
@@ -139,10 +143,11 @@ def main() -> None:
     rows = []
     for name in runs:
         spread = statistics.pstdev(times[name]) / statistics.mean(times[name])
+        pages = round(statistics.mean(faults[name]))
         print(f"{name:26}{rate[name]:>12,.0f} target tokens/s  ({params[name] / 1e6:.1f}M parameters, "
-              f"step time varies {spread:.0%})")
+              f"step time varies {spread:.0%}, {pages:,} page faults a step)")
         rows.append({"system": name, "target tokens/s": round(rate[name]), "parameters": params[name],
-                     "step time varies": f"{spread:.0%}"})
+                     "step time varies": f"{spread:.0%}", "page faults a step": pages})
     summary = f"ours / MarianMT: {rate['ours'] / rate['MarianMT (transformers)']:.2f}x"
     print(summary)
     if args.profile:

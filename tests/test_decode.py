@@ -2,6 +2,7 @@
 the model the conftest chain trains on real text (the decoding engine itself: tests/test_translate.py)."""
 import dataclasses
 import io
+import shutil
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from conftest import TINY
 from pipeline import cli
 from stages import average, decode, export, vocab
-from stages.io import PipelineError, read_lines
+from stages.io import MANIFEST, PipelineError, read_lines
 from stages.model_files import list_checkpoints, read_checkpoint, read_model, write_model
 from translate import translator as translator_module
 
@@ -33,6 +34,7 @@ def test_decode_translates_every_line_in_order(averaged, vocab_dir, cleaned, tmp
     """The first 500 lines of newstest2013 and 2014 (the whole sets take a minute here)."""
     clean_dir = tmp_path / "clean"
     clean_dir.mkdir()
+    shutil.copy2(cleaned[0] / MANIFEST, clean_dir / MANIFEST)  # the languages
     for split in ("dev", "test"):
         for lang in ("en", "de"):
             lines = list(read_lines(cleaned[0] / f"{split}.{lang}"))[:500]
