@@ -1,6 +1,7 @@
 """The pinned environment: requirements.lock agrees with pyproject.toml, and a run names what it ran in."""
 from __future__ import annotations
 
+import importlib.util
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -47,3 +48,12 @@ def test_a_runs_environment_tags_name_the_lock_and_every_package_that_differs(tm
                                           "no-such-package missing (lock 1.0)")
     assert differ["env.lock"] != tags["env.lock"]
     tracking.environment_tags.cache_clear()
+
+
+def test_the_heavy_packages_are_byte_compiled():
+    """Where processes may not write .pyc files (PYTHONDONTWRITEBYTECODE), an uncompiled torch, prefect or mlflow
+    is compiled anew by each of the suite's hundreds of processes (10 s each): `make setup` compiles at install."""
+    for name in ("torch", "prefect", "mlflow", "sacrebleu"):
+        source = importlib.util.find_spec(name).origin
+        cached = importlib.util.cache_from_source(source)
+        assert Path(cached).is_file(), f"{name} is not byte-compiled ({cached} missing): install without --no-compile"
