@@ -75,15 +75,17 @@ def decode_all(model_path: Path, vocab_dir: Path, lines: list[str], beam: int, b
     is built for one CUDA major version).
 
     Each system runs in a process of its own, as a user runs it: two in one process would share its
-    allocator settings and bring two OpenMP runtimes. The processes take turns, one translating at a
-    time, every system at every batch size in each round."""
+    allocator settings and bring two OpenMP runtimes. The processes load at once, then take turns, one
+    translating at a time, warm-ups included (OpenMP threads of several processes at once on few cores
+    wait at every barrier for a time slice: `bench.decode --train-base multi30k:1,europarl:1 --limit 2` in CI
+    warmed up in 65 s what takes 2 s in turn), every system at every batch size in each round."""
     marian_dir = export.to_marian(model_path, vocab_dir, tmp / "marian")
     ct2_dir = export.to_ctranslate2(marian_dir, tmp / "ct2")
     sp = vocab.load(vocab_dir)
     results, unavailable = [], {}
     for precision in precisions:
         with ExitStack() as stack:
-            # lines[:8] warm each worker up: first calls, kernels chosen, caches filled
+            # lines[:8] warm each worker up in turn: first calls, kernels chosen, caches filled
             workers = {size: stack.enter_context(_Workers(
                 Setup(model_path, vocab_dir, marian_dir, ct2_dir, beam, size, torch.get_num_threads()),
                 precision, lines[:8], (SYSTEMS[0], *peers))) for size in batch_sizes}
@@ -109,7 +111,7 @@ class _Workers:
         self.connections, self.processes, self.ready, self.unavailable = {}, [], [], {}
         for name in systems:
             ours, theirs = context.Pipe()
-            process = context.Process(target=_serve, args=(theirs, name, precision, setup, warm_up), daemon=True)
+            process = context.Process(target=_serve, args=(theirs, name, precision, setup), daemon=True)
             process.start()
             theirs.close()
             self.connections[name] = ours
@@ -120,6 +122,8 @@ class _Workers:
                 self.ready.append(name)
             else:
                 self.unavailable[name] = why
+        for name in self.ready:
+            self.translate(name, warm_up)
 
     def _answer(self, name: str) -> Any:
         try:
@@ -143,14 +147,13 @@ class _Workers:
                 process.kill()
 
 
-def _serve(connection, name: str, precision: str, setup: Setup, warm_up: list[str]) -> None:
-    """A worker process: load one system, warm it up, then time each list of lines it is sent."""
+def _serve(connection, name: str, precision: str, setup: Setup) -> None:
+    """A worker process: load one system, then time each list of lines it is sent."""
     torch.set_num_threads(setup.threads)
     work = _load(name, precision, setup)
     if isinstance(work, str):
         connection.send(work)
         return
-    work(warm_up)
     connection.send(None)
     while True:
         try:
