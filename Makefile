@@ -7,7 +7,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 .PHONY: setup lock quickstart test-data test test-fast repro
 
 setup:  ## a virtual environment of requirements.lock's exact versions (torch first: its CPU build here, CUDA on GPU hosts),
-        ## byte-compiled at install: where PYTHONDONTWRITEBYTECODE is set (as on this project's CI), a module left uncompiled is
+        ## byte-compiled at install: where PYTHONDONTWRITEBYTECODE is set (as in CI here), a module left uncompiled is
         ## compiled anew by every process that imports it (the train stage's imports: 16.3 s against 6.7 on 2 cores)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
