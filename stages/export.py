@@ -3,7 +3,9 @@
 
 Marian is the paper's architecture (post-LayerNorm, sinusoidal positions with sines then cosines,
 embeddings scaled by sqrt(d_model) and shared with the output projection), so the weights map one
-to one. Only models that Marian can express are exported: other choices are refused by name.
+to one. A model Marian cannot express (pre-LayerNorm, learned positions, or Table 3's d_k and d_v
+rows) is not exported: the stage says why in one warning and its metrics, and the pipeline's scores
+stand without it.
 transformers and ctranslate2 are imported here only, so no other stage needs them.
 """
 from __future__ import annotations
@@ -40,7 +42,8 @@ def marian_state_dict(weights: dict[str, torch.Tensor], encoder_layers: int,
     return out
 
 
-def _check_expressible(config: TransformerConfig) -> None:
+def marian_problems(config: TransformerConfig) -> list[str]:
+    """What keeps this architecture from being written as MarianMT (none: it can be)."""
     problems = []
     if config.norm != "post":
         problems.append("model.norm is pre (Marian is post-LayerNorm)")
@@ -48,8 +51,11 @@ def _check_expressible(config: TransformerConfig) -> None:
         problems.append("model.positions is learned (Marian's are sinusoidal)")
     if config.head_dims != (config.d_model // config.n_heads,) * 2:
         problems.append("d_k or d_v differs from d_model / n_heads")
-    if problems:
-        raise PipelineError("this model cannot be written as MarianMT: " + "; ".join(problems))
+    return problems
+
+
+def _not_marian(problems: list[str]) -> str:
+    return "this model cannot be written as MarianMT: " + "; ".join(problems)
 
 
 def marian_config(c: TransformerConfig, vocab_size: int):
@@ -74,7 +80,8 @@ def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path
 
     weights, meta = read_model(model_path)
     c = meta.config
-    _check_expressible(c)
+    if problems := marian_problems(c):
+        raise PipelineError(_not_marian(problems))
     model = MarianMTModel(marian_config(c, meta.vocab_size))
     missing, unexpected = model.load_state_dict(
         marian_state_dict(weights, c.encoder_layers, c.decoder_layers), strict=False)
@@ -153,7 +160,15 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
 
 
 def run(*, model_path: InputPath, vocab_dir: InputPath, marian_dir: OutputPath,
-        ctranslate2_dir: OutputPath) -> dict[str, float]:
+        ctranslate2_dir: OutputPath) -> dict[str, float | str]:
+    """Both forms; for a model Marian cannot express, neither, and no earlier model's either, so
+    what lies in the output folders is always this model."""
+    if problems := marian_problems(read_model(model_path)[1].config):
+        for out_dir in (Path(marian_dir), Path(ctranslate2_dir)):
+            shutil.rmtree(out_dir, ignore_errors=True)
+            out_dir.parent.mkdir(parents=True, exist_ok=True)  # the stage's output folder, left empty
+        print(f"warning: not exported: {_not_marian(problems)}")
+        return {"skipped": _not_marian(problems)}
     marian = to_marian(model_path, vocab_dir, marian_dir)
     to_ctranslate2(marian, ctranslate2_dir)
     size = lambda d: sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())  # noqa: E731

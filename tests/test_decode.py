@@ -101,13 +101,31 @@ def test_exported_models_translate_like_the_decode_stage(exported, averaged, voc
         assert sp.decode(result[0].hypotheses[0]) == expected
 
 
-def test_export_refuses_what_marian_cannot_express(trained, vocab_dir, tmp_path):
+@pytest.fixture
+def pre_norm_model(trained, tmp_path):
+    """The trained model's file, saying it is pre-LayerNorm, which Marian cannot express."""
     checkpoint = read_checkpoint(list_checkpoints(trained[0])[-1][1])
     meta = dataclasses.replace(checkpoint.meta, config=dataclasses.replace(checkpoint.meta.config, norm="pre"))
     write_model(tmp_path / "pre.st", checkpoint.parts["model"], meta)
+    return tmp_path / "pre.st"
+
+
+def test_export_refuses_what_marian_cannot_express(pre_norm_model, vocab_dir, tmp_path):
     with pytest.raises(PipelineError, match="cannot be written as MarianMT: model.norm is pre"):
-        export.to_marian(tmp_path / "pre.st", vocab_dir, tmp_path / "marian")
+        export.to_marian(pre_norm_model, vocab_dir, tmp_path / "marian")
     assert not (tmp_path / "marian").exists()
+
+
+def test_export_stage_passes_over_such_a_model_and_leaves_no_earlier_export(pre_norm_model, exported, vocab_dir,
+                                                                          tmp_path, capsys):
+    exports = tmp_path / "exports"
+    shutil.copytree(exported[0], exports)  # an earlier model's exports, which must not pass for this one's
+    metrics = export.run(model_path=pre_norm_model, vocab_dir=vocab_dir, marian_dir=exports / "marian",
+                         ctranslate2_dir=exports / "ctranslate2")
+    assert metrics == {"skipped": "this model cannot be written as MarianMT: model.norm is pre "
+                                  "(Marian is post-LayerNorm)"}
+    assert exports.is_dir() and not any(exports.iterdir())
+    assert "warning: not exported: this model cannot be written as MarianMT" in capsys.readouterr().out
 
 
 def test_translate_command_reads_a_file_or_stdin_and_warns_of_cut_lines(averaged, vocab_dir, cleaned, tmp_path,
