@@ -42,8 +42,11 @@ def marian_state_dict(weights: dict[str, torch.Tensor], encoder_layers: int,
     return out
 
 
-def marian_problems(config: TransformerConfig) -> list[str]:
-    """What keeps this architecture from being written as MarianMT (none: it can be)."""
+class NotMarian(PipelineError):
+    """The model's architecture is one Marian cannot express."""
+
+
+def _check_expressible(config: TransformerConfig) -> None:
     problems = []
     if config.norm != "post":
         problems.append("model.norm is pre (Marian is post-LayerNorm)")
@@ -51,11 +54,8 @@ def marian_problems(config: TransformerConfig) -> list[str]:
         problems.append("model.positions is learned (Marian's are sinusoidal)")
     if config.head_dims != (config.d_model // config.n_heads,) * 2:
         problems.append("d_k or d_v differs from d_model / n_heads")
-    return problems
-
-
-def _not_marian(problems: list[str]) -> str:
-    return "this model cannot be written as MarianMT: " + "; ".join(problems)
+    if problems:
+        raise NotMarian("this model cannot be written as MarianMT: " + "; ".join(problems))
 
 
 def marian_config(c: TransformerConfig, vocab_size: int):
@@ -80,8 +80,7 @@ def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path
 
     weights, meta = read_model(model_path)
     c = meta.config
-    if problems := marian_problems(c):
-        raise PipelineError(_not_marian(problems))
+    _check_expressible(c)
     model = MarianMTModel(marian_config(c, meta.vocab_size))
     missing, unexpected = model.load_state_dict(
         marian_state_dict(weights, c.encoder_layers, c.decoder_layers), strict=False)
@@ -163,13 +162,14 @@ def run(*, model_path: InputPath, vocab_dir: InputPath, marian_dir: OutputPath,
         ctranslate2_dir: OutputPath) -> dict[str, float | str]:
     """Both forms; for a model Marian cannot express, neither, and no earlier model's either, so
     what lies in the output folders is always this model."""
-    if problems := marian_problems(read_model(model_path)[1].config):
+    try:
+        marian = to_marian(model_path, vocab_dir, marian_dir)
+    except NotMarian as e:
         for out_dir in (Path(marian_dir), Path(ctranslate2_dir)):
             shutil.rmtree(out_dir, ignore_errors=True)
             out_dir.parent.mkdir(parents=True, exist_ok=True)  # the stage's output folder, left empty
-        print(f"warning: not exported: {_not_marian(problems)}")
-        return {"skipped": _not_marian(problems)}
-    marian = to_marian(model_path, vocab_dir, marian_dir)
+        print(f"warning: not exported: {e}")
+        return {"skipped": str(e)}
     to_ctranslate2(marian, ctranslate2_dir)
     size = lambda d: sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())  # noqa: E731
     return {"marian_mb": size(marian_dir) / 1e6, "ctranslate2_mb": size(ctranslate2_dir) / 1e6}

@@ -128,6 +128,12 @@ def test_export_stage_passes_over_such_a_model_and_leaves_no_earlier_export(pre_
     assert "warning: not exported: this model cannot be written as MarianMT" in capsys.readouterr().out
 
 
+def test_export_stage_still_stops_at_a_missing_model(vocab_dir, tmp_path):
+    with pytest.raises(PipelineError, match="absent.st: model file not found"):
+        export.run(model_path=tmp_path / "absent.st", vocab_dir=vocab_dir, marian_dir=tmp_path / "marian",
+                   ctranslate2_dir=tmp_path / "ct2")
+
+
 def test_translate_command_reads_a_file_or_stdin_and_warns_of_cut_lines(averaged, vocab_dir, cleaned, tmp_path,
                                                                        capsys, monkeypatch):
     lines = list(read_lines(cleaned[0] / "dev.en"))[:5] + ["word " * 600]  # longer than the 512 positions
