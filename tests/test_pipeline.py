@@ -121,8 +121,13 @@ def test_the_readmes_examples_run_as_written(flow_output, repo):
 @pytest.mark.slow
 def test_a_failed_stage_ends_the_run_with_its_own_error_and_keeps_earlier_outputs(flow_output, repo):
     # a budget no training pair fits: a valid value, so only the train stage itself can find it out
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "-S", "train.batch_tokens=1"], cwd=repo,
-                          env=env_of(repo), capture_output=True, text=True, timeout=600)
+    params = repo / "params.yaml"
+    saved = params.read_text(encoding="utf-8")
+    try:  # -S writes params.yaml; the modules after this one find it as the quickstart left it
+        proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "-S", "train.batch_tokens=1"], cwd=repo,
+                              env=env_of(repo), capture_output=True, text=True, timeout=600)
+    finally:
+        params.write_text(saved, encoding="utf-8")
     output = (proc.stdout + proc.stderr).strip()
     assert proc.returncode == 1 and "Traceback" not in output
     assert output.splitlines()[-1].startswith("error: stage 'train' failed: no training pair fits: ")

@@ -15,7 +15,6 @@ def test_a_changed_training_parameter_starts_its_own_run_and_going_back_retrains
     from stages.model_files import current_dir
 
     dvc = [sys.executable, "-m", "dvc"]
-    run_in(repo, sys.executable, "-m", "pipeline", "preset", "-S", "train.batch_tokens=3000")  # the quickstart's own
     first = current_dir(repo / "models/checkpoints")
     files = {p.name: p.stat().st_mtime_ns for p in first.glob("*.pt")}
     changed = run_in(repo, *dvc, "exp", "run", "-n", "warmup-150", "-S", "train.warmup_steps=150")
