@@ -23,7 +23,8 @@ it measured) and prints (and writes beside it, as markdown) a readable table.
    CTranslate2, in fp32 and bf16, with the share of identical outputs and our BLEU. (CTranslate2's
    wheel is built for CUDA 12; where only CUDA 13's cuBLAS is installed it is reported as not run.)
 6. multi30k: the pipeline's stages in DAG order (download from the shared copy, clean, vocab, encode,
-   train, average, decode, score) with the presets multi30k and multi30k-gpu: the time of each and
+   train, average, decode, score) with the presets multi30k and multi30k-gpu, then each try's changes
+   (bench/gpu/multi30k-tries.yaml; en-de, and en-fr where a try says so): the time of each stage and
    test2016 BLEU.
 
 Each part is a module of this package; each measurement runs in a process of its own (a fresh

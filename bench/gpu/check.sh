@@ -11,7 +11,8 @@
 #                                      # shape); then big, by default and eager, while its share lasts
 #   bash bench/gpu/check.sh quality    # fp32 / bf16 / captured bf16 loss curves on the same batches; the Multi30k
 #                                      # GPU preset end to end
-#   bash bench/gpu/check.sh multi30k   # the Multi30k GPU tries of bench/gpu/multi30k-tries.yaml, each end to end
+#   bash bench/gpu/check.sh multi30k   # the Multi30k GPU tries of bench/gpu/multi30k-tries.yaml (the preset in
+#                                      # en-de, then en-fr, then the other tries), each end to end
 #
 # Figures land in $OUT (or ./gpu-check) as JSON and markdown, and in bench/results/ for docs/performance.md.
 # The GPU machine lacks sacremoses (the clean stage's): carry its wheel in .whl (the device README says

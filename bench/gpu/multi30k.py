@@ -19,24 +19,37 @@ def tries() -> dict[str, dict[str, Any]]:
     return yaml.safe_load(TRIES.read_text(encoding="utf-8"))
 
 
+def target_language(overrides: dict[str, Any]) -> str:
+    """The language a try translates English into: its `download.tgt_lang`, else the preset's German."""
+    return overrides.get("download.tgt_lang", "de")
+
+
+def first_of_each_pair(named: dict[str, dict[str, Any]]) -> list[str]:
+    """The first try of each language pair, in the file's order (what --smoke runs)."""
+    first: dict[str, str] = {}
+    for name, overrides in named.items():
+        first.setdefault(target_language(overrides), name)
+    return list(first.values())
+
+
 def multi30k(sizes: Sizes, work: Path, name: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The pipeline's stages, in dvc.yaml's order, with the presets multi30k and multi30k-gpu and then
     `overrides`, on the shared Multi30k copy (the download stage's local source): each stage's time
-    and the BLEU."""
+    and the BLEU. The pair is English to the overrides' `download.tgt_lang` (German by default)."""
     from stages import average, clean, download, encode, score, train, vocab
     from stages import decode as decode_stage
 
     source = work / "multi30k-source"
     source.mkdir(parents=True, exist_ok=True)
-    files = {"train": "train", "dev": "val", "test": "test_2016_flickr"}
-    for stem in files.values():
-        for lang in ("en", "de"):
+    tgt = target_language(overrides)
+    for stem in ("train", "val", "test_2016_flickr"):
+        for lang in ("en", tgt):
             lines = (MULTI30K / f"{stem}.{lang}").read_text(encoding="utf-8").splitlines()
             (source / f"{stem}.{lang}").write_text("\n".join(lines[: sizes.multi30k_lines]) + "\n", encoding="utf-8")
     params = settings({"download.source": "local", "download.local.dir": str(source),
-                       "download.local.train": [{"src": "train.en", "tgt": "train.de"}],
-                       "download.local.dev": {"src": "val.en", "tgt": "val.de"},
-                       "download.local.test": {"src": "test_2016_flickr.en", "tgt": "test_2016_flickr.de"},
+                       "download.local.train": [{"src": "train.en", "tgt": f"train.{tgt}"}],
+                       "download.local.dev": {"src": "val.en", "tgt": f"val.{tgt}"},
+                       "download.local.test": {"src": "test_2016_flickr.en", "tgt": f"test_2016_flickr.{tgt}"},
                        **overrides, **sizes.multi30k}, presets=("multi30k", "multi30k-gpu"))
     out = work / f"multi30k-{name}"
     paths = {name: out / name for name in ("raw", "clean", "vocab", "encoded", "checkpoints", "plots", "hyps")}
@@ -59,7 +72,7 @@ def multi30k(sizes: Sizes, work: Path, name: str, overrides: dict[str, Any]) -> 
         metrics[stage] = run()
         seconds[stage] = time.perf_counter() - start
         print(f"multi30k: {stage} done in {seconds[stage]:.0f} s", flush=True)
-    return {"try": name, "overrides": overrides, "seconds": seconds, "total_seconds": sum(seconds.values()),
-            "steps": params.train.max_steps, "train": metrics["train"],
+    return {"try": name, "pair": f"en-{tgt}", "overrides": overrides, "seconds": seconds,
+            "total_seconds": sum(seconds.values()), "steps": params.train.max_steps, "train": metrics["train"],
             **{kind: {split: metrics["score"][split][kind] for split in ("dev", "test")}
                for kind in ("bleu", "bleu_lc_tok")}}
