@@ -12,7 +12,8 @@
 #   bash bench/gpu/check.sh quality    # fp32 / bf16 / captured bf16 loss curves on the same batches; the Multi30k
 #                                      # GPU preset end to end
 #   bash bench/gpu/check.sh multi30k   # the Multi30k GPU tries of bench/gpu/multi30k-tries.yaml (the preset in
-#                                      # en-de, then en-fr, then the other tries), each end to end
+#                                      # en-de, then en-fr, then the other tries), each end to end (about 2.3
+#                                      # minutes each); `check.sh multi30k 300` gives them 300 s in place of 450
 #
 # Figures land in $OUT (or ./gpu-check) as JSON and markdown, and in bench/results/ for docs/performance.md.
 # The GPU machine lacks sacremoses (the clean stage's): carry its wheel in .whl (the device README says
@@ -42,7 +43,7 @@ case $what in
     python3 -m bench.gpu --models big --parts throughput --systems eager,ours --budget 150 \
       --out "$out/speed-big.json" || true ;;
   quality) python3 -m bench.gpu --parts curves,multi30k --tries preset --budget 450 --out "$out/quality.json" || true ;;
-  multi30k) python3 -m bench.gpu --parts multi30k --budget 450 --out "$out/multi30k.json" || true ;;
+  multi30k) python3 -m bench.gpu --parts multi30k --budget "${2:-450}" --out "$out/multi30k.json" || true ;;
   *) echo "check.sh: $what is not speed, capture, quality or multi30k" >&2; exit 2 ;;
 esac
 find bench/results -name 'gpu--*.json' -newer "$started" -exec cp {} "$out/" \;
