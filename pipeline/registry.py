@@ -22,7 +22,6 @@ def register_model(parent: Tracker, params: Params, test_bleu: float) -> str | N
         return None
     import mlflow
     import torch
-    from mlflow.models import infer_signature
 
     paths = dag.paths()
     name = experiment_name(params.download.src_lang, params.download.tgt_lang)
@@ -37,7 +36,6 @@ def register_model(parent: Tracker, params: Params, test_bleu: float) -> str | N
                        "decode": str(decode_file)},
             code_paths=[str(ROOT / package) for package in ("stages", "translate", "transformer")],
             registered_model_name=name,
-            signature=infer_signature(["Hello world."], ["Hallo Welt."]),
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "sentencepiece", "safetensors", "numpy",
                               "tqdm"])
     version = str(info.registered_model_version)

@@ -26,12 +26,12 @@ class Translator(PythonModel):
         self.translator = load_translator(context.artifacts["model"], default_device(), self.params.precision)
         self.sp = vocab.load(context.artifacts["vocab"])
 
-    def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> list[str]:
-        """model_input: a list of sentences (or a one-column DataFrame of them)."""
+    def predict(self, context: Any, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
+        """model_input: a list of sentences. The type hint is the model's signature: MLflow checks inputs
+        against it and turns a one-column DataFrame into its list."""
         from stages.decode import translate
 
-        lines = list(model_input) if isinstance(model_input, list) else model_input.iloc[:, 0].tolist()
-        return translate(self.translator, self.sp, [str(line) for line in lines], self.params, desc="translate")
+        return translate(self.translator, self.sp, model_input, self.params, desc="translate")
 
 
 mlflow.models.set_model(Translator())

@@ -6,6 +6,7 @@ import hashlib
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -68,6 +69,7 @@ def test_mlflow_holds_a_parent_run_with_a_nested_run_per_stage(flow_output, repo
 @pytest.mark.slow
 def test_the_model_is_registered_as_a_translator_with_the_best_alias(flow_output, repo):
     import mlflow
+    import pandas as pd
 
     uri = f"sqlite:///{repo / 'mlflow.db'}"
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
@@ -76,9 +78,16 @@ def test_the_model_is_registered_as_a_translator_with_the_best_alias(flow_output
     assert float(version.tags["test_bleu"]) == max(scores)  # the 30-step model's may be 0
     mlflow.set_tracking_uri(uri)
     lines = (repo / "data/clean/test.en").read_text(encoding="utf-8").splitlines()[:3]
-    translated = mlflow.pyfunc.load_model("models:/transformer-en-de@best").predict(lines)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = mlflow.pyfunc.load_model("models:/transformer-en-de@best")
+    assert not [w for w in caught if "predict function" in str(w.message)]  # its type hint is one MLflow takes
     expected = (repo / "data/hyps/test.de").read_text(encoding="utf-8").splitlines()[:3]
-    assert translated == expected  # the logged model decodes as the decode stage did
+    assert model.predict(lines) == expected  # the logged model decodes as the decode stage did
+    assert model.predict(pd.DataFrame({"text": lines})) == expected  # one column, as mlflow.evaluate passes
+    assert model.metadata.signature.inputs.to_dict() == [{"type": "string", "required": True}]
+    with pytest.raises(mlflow.exceptions.MlflowException, match=r"list\[str\]"):
+        model.predict([1, 2])
 
 
 @pytest.mark.slow
