@@ -3,14 +3,17 @@ and registered model, DVC's caching (a second run does nothing; `dvc exp run -S`
 parameter reruns decode and score only), the report, the README's examples, and a stage that fails
 or a parameter that is wrong. The copy and its first quickstart are conftest's (session-wide)."""
 import hashlib
+import json
 import re
 import subprocess
 import sys
+import urllib.request
 import warnings
 
 import pytest
 
 from conftest import env_of, newest_runs, run_in
+from servers import free_port, serving
 from pipeline import dag
 
 STAGES = ["download", "clean", "vocab", "encode", "train", "average", "decode", "score", "export"]
@@ -89,6 +92,15 @@ def test_the_model_is_registered_as_a_translator_with_the_best_alias(flow_output
     assert model.metadata.signature.inputs.to_dict() == [{"type": "string", "required": True}]
     with pytest.raises(mlflow.exceptions.MlflowException, match=r"list\[str\]"):
         model.predict([1, 2])
+    # served over REST as the README shows: `mlflow models serve`, sentences as {"inputs": [...]}
+    port = free_port()
+    serve = [sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/transformer-en-de@best",
+             "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)]
+    with serving(serve, f"http://127.0.0.1:{port}/ping", repo, {**env_of(repo), "MLFLOW_TRACKING_URI": uri},
+                 "mlflow models serve"):
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", json.dumps({"inputs": lines}).encode(),
+                                         {"Content-Type": "application/json"})
+        assert json.load(urllib.request.urlopen(request, timeout=120))["predictions"] == expected
 
 
 @pytest.mark.slow
