@@ -35,8 +35,9 @@ def test_a_changed_training_parameter_starts_its_own_run_and_going_back_retrains
 
 @pytest.mark.slow
 def test_two_table3_rows_queue_and_run_back_to_back(flow_output, repo):
-    (repo / "experiments/table3.yaml").write_text(  # two tiny rows of the same shape as the paper's
-        "common:\n  average.last: 1\nrows:\n  T-ff256: {model.d_ff: 256}\n  T-ff64: {model.d_ff: 64}\n")
+    (repo / "experiments/table3.yaml").write_text(  # two tiny rows of the same shape as the paper's, 10 steps each
+        "common:\n  average.last: 1\n  train.max_steps: 10\nrows:\n  T-ff256: {model.d_ff: 256}\n"
+        "  T-ff64: {model.d_ff: 64}\n")
     run_in(repo, sys.executable, "-m", "pipeline", "table3", "--queue")
     ran = run_in(repo, sys.executable, "-m", "dvc", "exp", "run", "--run-all")
     assert "holds a" not in ran

@@ -120,7 +120,7 @@ def test_a_flow_outlives_its_prefect_server(completed, tmp_path):
     server_env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url}
     # Prefect's client retries a lost server 5 times by default, minutes in all; none here, as the end is the same
     env = {**env_of(completed), "PREFECT_API_URL": url, "PREFECT_CLIENT_MAX_RETRIES": "0", "PYTHONUNBUFFERED": "1"}
-    steps = ["-S", "train.seed=50", "-S", "train.max_steps=80", "-S", "train.checkpoint_every_steps=20",
+    steps = ["-S", "train.seed=50", "-S", "train.max_steps=40", "-S", "train.checkpoint_every_steps=10",
              "-S", "train.log_every=10"]
     with serving([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                  f"{url}/health", home, server_env, "the Prefect server"):
@@ -129,18 +129,18 @@ def test_a_flow_outlives_its_prefect_server(completed, tmp_path):
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(flow.stdout), daemon=True)
         reader.start()
-        wait_for(lambda: any("step 20/80" in line for line in lines) or flow.poll() is not None, 600,
-                 "the train stage at step 20")
+        wait_for(lambda: any("step 10/40" in line for line in lines) or flow.poll() is not None, 600,
+                 "the train stage at step 10")
         assert flow.poll() is None and "resumed from" not in "".join(lines), "".join(lines)[-4000:]
     start = time.monotonic()  # the server is gone from here
     assert flow.wait(timeout=900) == 0, "".join(lines)[-4000:]
     reader.join(timeout=10)
-    print(f"the flow ended {time.monotonic() - start:.0f} s after its server was stopped at train step 20")
+    print(f"the flow ended {time.monotonic() - start:.0f} s after its server was stopped at train step 10")
     assert lines[-1].startswith(f"warning: the Prefect server {url} was lost (") and \
         "the pipeline finished (test BLEU" in lines[-1], lines[-1]
     output = "".join(lines)
-    assert "step 80/80" in output and "stopped:" not in output  # the stage ran to its end
+    assert "step 40/40" in output and "stopped:" not in output  # the stage ran to its end
     assert "Still processing items" not in output, output[-4000:]  # its end did not wait on undeliverable events
-    assert list((completed / "models/checkpoints").rglob("checkpoint-00000080.pt"))
+    assert list((completed / "models/checkpoints").rglob("checkpoint-00000040.pt"))
     again = run_in(completed, *DVC, "status")
     assert "Data and pipelines are up to date" in again, again

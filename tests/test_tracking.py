@@ -157,7 +157,7 @@ def _train(params, encoded, vocab_dir, out, env) -> tuple[subprocess.Popen, list
 
 @pytest.mark.slow
 def test_training_outlives_its_tracking_server_and_sync_sends_what_it_missed(encoded, vocab_dir, tmp_path):
-    """80 steps of the quickstart's model, a row every 5 and a checkpoint every 40: once with the server
+    """40 steps of the quickstart's model, a row every 5 and a checkpoint every 20: once with the server
     up, once with it stopped after step 10; then the server again, and `python -m pipeline sync`."""
     from mlflow.tracking import MlflowClient
 
@@ -167,7 +167,7 @@ def test_training_outlives_its_tracking_server_and_sync_sends_what_it_missed(enc
     server = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
               "--artifacts-destination", str(store / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
               "--workers", "1"]
-    params = train_params_file(tmp_path, **{"train.max_steps": 80, "train.checkpoint_every_steps": 40})
+    params = train_params_file(tmp_path, **{"train.max_steps": 40, "train.checkpoint_every_steps": 20})
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PIPELINE_MLFLOW_FLUSH_SECONDS": "10", "PYTHONUNBUFFERED": "1"}
     seconds = {}
     with serving(server, f"{uri}/health", store, {**os.environ}, "the MLflow server"):
@@ -175,19 +175,19 @@ def test_training_outlives_its_tracking_server_and_sync_sends_what_it_missed(enc
         assert proc.wait(timeout=600) == 0, "".join(lines)[-3000:]
         seconds["up"] = time.monotonic() - start
         proc, lines, start = _train(params, encoded[0], vocab_dir, tmp_path / "down", env)
-        wait_for(lambda: any(line.startswith("step 10/80") for line in lines), 300, "step 10")
+        wait_for(lambda: any(line.startswith("step 10/40") for line in lines), 300, "step 10")
     # the server is gone (killed with its process group) from here
     assert proc.wait(timeout=600) == 0, "".join(lines)[-3000:]
     seconds["down"] = time.monotonic() - start
     output = "".join(lines)
-    print(f"train stage, 80 steps: {seconds['up']:.1f} s with the server up, {seconds['down']:.1f} s with it "
+    print(f"train stage, 40 steps: {seconds['up']:.1f} s with the server up, {seconds['down']:.1f} s with it "
           "stopped after step 10")
     assert seconds["down"] <= 2 * seconds["up"] + 10
-    assert "Traceback" not in output and any((tmp_path / "down/ckpt").rglob("checkpoint-00000080.pt"))
+    assert "Traceback" not in output and any((tmp_path / "down/ckpt").rglob("checkpoint-00000040.pt"))
     lost = [line for line in lines if "stopped answering" in line]
     assert len(lost) == 1 and lost[0].startswith(f"warning: mlflow: the tracking server {uri} stopped answering at "
                                                  "step ")
-    assert int(lost[0].split(" at step ")[1].split(" ")[0]) < 80
+    assert int(lost[0].split(" at step ")[1].split(" ")[0]) < 40
     assert f"did not reach {uri} within 10 s" in output
     link = tracking.run_url_in(next(line for line in lines if line.startswith(tracking.RUN_LINE)))
     assert link.startswith(f"{uri}/#/experiments/")  # the server the run was logged to, not a default port
@@ -198,7 +198,7 @@ def test_training_outlives_its_tracking_server_and_sync_sends_what_it_missed(enc
         assert sync.returncode == 0, sync.stdout + sync.stderr
         client = MlflowClient(tracking_uri=uri)
         run = client.get_run(run_id)
-        assert run.info.status == "FINISHED" and run.data.params["train.max_steps"] == "80"
-        assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(5, 81, 5))
+        assert run.info.status == "FINISHED" and run.data.params["train.max_steps"] == "40"
+        assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(5, 41, 5))
         assert "valid_loss" in run.data.metrics and "mean_tgt_tokens_per_sec" in run.data.metrics
     print(sync.stdout.strip())
