@@ -1,10 +1,12 @@
 """Bench results as files, and docs/performance.md rendered from them, so the page cannot go stale.
 
 Each bench run ends by `record(...)`: a JSON file in bench/results/ holding its figures with the
-command that produced them, the machine (CPU or GPU model, cores), torch's version, the commit and
-the date. One file per bench, case and machine: a rerun replaces the figure it remeasures (git keeps
-the old one). `python -m bench.results` renders the page from every file; `--check` fails when the
-page differs from what the files render (a test runs it).
+command that produced them, the machine (CPU or GPU model, cores), torch's version, the commit, the
+date, and the share of the run's CPU time the hypervisor gave other guests (steal: a shared VM's
+noise, which no ratio within the run cancels if it came in bursts). One file per bench, case and
+machine: a rerun replaces the figure it remeasures (git keeps the old one). `python -m bench.results`
+renders the page from every file; `--check` fails when the page differs from what the files render (a
+test runs it).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"  # where record writes, unless BENCH_RESULTS names another folder (smoke runs)
 PAGE = ROOT / "docs" / "performance.md"
+STEAL_WARNING = 0.02  # a run that lost more than this to other guests says so: a rate off by more than 2%
 
 
 def machine() -> dict[str, Any]:
@@ -42,6 +45,32 @@ def machine() -> dict[str, Any]:
         if torch.cuda.is_available():
             found["gpu"] = torch.cuda.get_device_name()
     return found
+
+
+def cpu_ticks(stat: str | None = None) -> tuple[int, int] | None:
+    """(stolen, busy) CPU time of all CPUs since boot in clock ticks, from /proc/stat's first line (or
+    `stat`); None where there is none. Stolen is time the hypervisor gave other guests while these CPUs
+    had work; busy is every tick but idle and iowait, the stolen ones included. On a shared VM a bench
+    runs slower by the stolen share of its busy time, whatever the code does."""
+    try:
+        line = (Path("/proc/stat").read_text() if stat is None else stat).split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not line or line[0] != "cpu":
+        return None
+    ticks = [int(x) for x in line[1:9]]  # user nice system idle iowait irq softirq steal (guest is within user)
+    stolen = ticks[7] if len(ticks) == 8 else 0
+    return stolen, sum(ticks) - ticks[3] - ticks[4]
+
+
+START_TICKS = cpu_ticks()  # at import, which a bench does before it measures: record() reads the span since
+
+
+def stolen_share(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
+    """The share of the CPUs' busy time between two cpu_ticks() readings that the hypervisor took."""
+    if start is None or end is None or end[1] <= start[1]:
+        return None
+    return (end[0] - start[0]) / (end[1] - start[1])
 
 
 def _commit() -> str:
@@ -79,6 +108,12 @@ def record(bench: str, case: str, title: str, rows: list[dict[str, Any]], summar
               "command": " ".join(["python -m", f"bench.{bench}",
                                    *map(portable, sys.argv[1:] if argv is None else argv)]),
               "machine": found, "commit": _commit(), "date": datetime.date.today().isoformat()}
+    stolen = stolen_share(START_TICKS, cpu_ticks())
+    if stolen is not None:
+        result["cpu_steal"] = round(stolen, 4)
+        if stolen >= STEAL_WARNING:
+            print(f"warning: the hypervisor took {stolen:.1%} of this run's CPU time (steal): "
+                  "its rates and minutes are low by about as much; rerun when the host is quiet", flush=True)
     where = found["gpu"] or f"{found['cpu']} {found['cores']} cores"
     folder = results_dir or Path(os.environ.get("BENCH_RESULTS", RESULTS))
     out = folder / f"{_slug(bench)}--{_slug(case)}--{_slug(where)}.json"
@@ -105,7 +140,9 @@ def render(results_dir: Path | None = None) -> str:
              "Rendered by `python -m bench.results` from the files in `bench/results/`, one per bench, case and",
              "machine, each written by the bench run it names; do not edit by hand. Each bench runs ours and a",
              "peer on the same work in one run, so compare the ratios, which hold across a machine's drift, more",
-             "than the rates. Rerun a command on your machine and render again.", ""]
+             "than the rates. Where a result gives the CPU time taken by the host (steal), a shared VM gave that",
+             "share of the run to other guests: its rates are low by about as much, in bursts no ratio cancels.",
+             "Rerun a command on your machine and render again.", ""]
     for bench in sorted({r["bench"] for r in results}):
         lines += [f"## bench.{bench}", ""]
         for r in sorted((r for r in results if r["bench"] == bench), key=lambda r: (r["case"], r["date"])):
@@ -113,6 +150,7 @@ def render(results_dir: Path | None = None) -> str:
             where = m["gpu"] or f"{m['cpu']}, {m['cores']} cores"
             lines += [f"### {r['title']}", "",
                       f"{where}; torch {m.get('torch', 'not loaded')}; commit {r['commit']}; {r['date']}"
+                      + (f"; CPU time taken by the host (steal): {r['cpu_steal']:.1%}" if "cpu_steal" in r else "")
                       + (f" ({r['source']})" if r.get("source") else ""), "",
                       "```", r["command"], "```", ""]
             if r["rows"]:

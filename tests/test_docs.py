@@ -37,6 +37,26 @@ def test_a_recorded_result_names_its_command_machine_commit_and_date_and_renders
     assert re.search(r"commit \w+; \d{4}-\d{2}-\d{2}", page) and path.name.startswith("demo--two-rows--")
 
 
+def test_a_result_gives_the_cpu_time_the_host_took_and_warns_when_it_passes_two_percent(tmp_path, monkeypatch,
+                                                                                          capsys):
+    # /proc/stat's first line: user nice system idle iowait irq softirq steal guest guest_nice
+    start = results.cpu_ticks("cpu  1000 0 200 5000 100 0 0 50 0 0\ncpu0 500 0 100 2500 50 0 0 25 0 0\n")
+    assert start == (50, 1250)  # idle and iowait are not busy; steal is
+    assert results.cpu_ticks("cpu  1000 0 200 5000 100 0 0\n") == (0, 1200)  # a kernel without the column
+    assert results.cpu_ticks("intr 1 2 3\n") is None
+    monkeypatch.setattr(results, "START_TICKS", start)
+    parse, pages = results.cpu_ticks, {}
+    for name, later, warned in (("noisy", "cpu  1700 0 350 9000 100 0 0 200 0 0", True),  # 150 of 1,000 busy
+                                ("quiet", "cpu  1800 0 450 9000 100 0 0 50 0 0", False)):
+        monkeypatch.setattr(results, "cpu_ticks", lambda stat=None, later=later: parse(later))
+        results.record("demo", name, f"A {name} run", [{"system": "ours", "tokens/s": 1.0}], "1.00x",
+                       results_dir=tmp_path / name, argv=[])
+        assert ("warning: the hypervisor took 15.0% of this run's CPU time" in capsys.readouterr().out) == warned
+        pages[name] = results.render(tmp_path / name)
+    assert "CPU time taken by the host (steal): 15.0%" in pages["noisy"]
+    assert "CPU time taken by the host (steal): 0.0%" in pages["quiet"]
+
+
 def test_the_readme_is_a_guide_of_at_most_350_lines_whose_links_exist():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(readme.splitlines()) <= 350, "README.md passed 350 lines: move the detail to docs/"
