@@ -56,14 +56,14 @@ def cpu_ticks(stat: str | None = None) -> tuple[int, int] | None:
         line = (Path("/proc/stat").read_text() if stat is None else stat).split("\n", 1)[0].split()
     except OSError:
         return None
-    if not line or line[0] != "cpu":
-        return None
+    if len(line) < 6 or line[0] != "cpu" or not all(x.isdigit() for x in line[1:9]):
+        return None  # not the kernel's total line: no steal figure, and the bench's result is still written
     ticks = [int(x) for x in line[1:9]]  # user nice system idle iowait irq softirq steal (guest is within user)
     stolen = ticks[7] if len(ticks) == 8 else 0
     return stolen, sum(ticks) - ticks[3] - ticks[4]
 
 
-START_TICKS = cpu_ticks()  # at import, which a bench does before it measures: record() reads the span since
+START_TICKS = cpu_ticks()  # at import: every bench imports record at its top, so the span is the whole run
 
 
 def stolen_share(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:

@@ -43,7 +43,8 @@ def test_a_result_gives_the_cpu_time_the_host_took_and_warns_when_it_passes_two_
     start = results.cpu_ticks("cpu  1000 0 200 5000 100 0 0 50 0 0\ncpu0 500 0 100 2500 50 0 0 25 0 0\n")
     assert start == (50, 1250)  # idle and iowait are not busy; steal is
     assert results.cpu_ticks("cpu  1000 0 200 5000 100 0 0\n") == (0, 1200)  # a kernel without the column
-    assert results.cpu_ticks("intr 1 2 3\n") is None
+    for bad in ("intr 1 2 3\n", "cpu  1000 0 x 5000 100 0 0 50\n", "cpu  1000 0\n", ""):
+        assert results.cpu_ticks(bad) is None, bad  # no figure, never an error that loses the result
     monkeypatch.setattr(results, "START_TICKS", start)
     parse, pages = results.cpu_ticks, {}
     for name, later, warned in (("noisy", "cpu  1700 0 350 9000 100 0 0 200 0 0", True),  # 150 of 1,000 busy
@@ -55,6 +56,14 @@ def test_a_result_gives_the_cpu_time_the_host_took_and_warns_when_it_passes_two_
         pages[name] = results.render(tmp_path / name)
     assert "CPU time taken by the host (steal): 15.0%" in pages["noisy"]
     assert "CPU time taken by the host (steal): 0.0%" in pages["quiet"]
+
+
+def test_every_bench_imports_record_before_it_measures():
+    """A result's steal figure spans from bench.results' import: an import at record time would give 0%."""
+    for path in [*sorted((ROOT / "bench").glob("*.py")), ROOT / "bench/gpu/__main__.py"]:
+        text = path.read_text(encoding="utf-8")
+        if "record(" in text and path.name != "results.py":
+            assert re.search(r"^from bench\.results import record\b", text, re.M), path.relative_to(ROOT)
 
 
 def test_the_readme_is_a_guide_of_at_most_350_lines_whose_links_exist():

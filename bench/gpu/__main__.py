@@ -13,6 +13,7 @@ from typing import Any
 
 from bench.gpu import FULL, PARTS, SMOKE, Sizes, prepare
 from bench.gpu.throughput import SYSTEMS
+from bench.results import record  # at the start: a result's steal is measured from this import
 
 OUT_OF_MEMORY = 3  # a part's exit status when the GPU ran out of memory
 ORCHESTRATION = ("mlflow", "prefect", "dvc")
@@ -127,8 +128,6 @@ def table(results: dict[str, Any]) -> str:
 
 def record_results(results: dict[str, Any]) -> None:
     """The parts that ran, as bench results (bench/results.py) for docs/performance.md."""
-    from bench.results import record
-
     size = " (smoke sizes)" if results["smoke"] else ""
     if throughput := results.get("throughput"):
         # one result per models and systems asked: a run of some of them keeps the others' figures
