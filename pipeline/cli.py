@@ -167,13 +167,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"(prefect worker start --pool {args.pool}), then a run from the UI or "
                   f"`prefect deployment run '{name}' -p presets='[\"quickstart\"]'`")
         else:
+            names = ["quickstart", *args.preset] if args.command == "quickstart" else args.preset
+            overrides = presets.collect_overrides([], args.overrides)
+            # A wrong preset, key or value stops here, in a line, before Prefect starts a server for the flow.
+            presets.layered({**presets.collect_overrides(names, []), **overrides})
             from pipeline import flow
 
-            names = ["quickstart", *args.preset] if args.command == "quickstart" else args.preset
             flow.quiet_if_the_server_is_lost()
             try:
-                state = flow.pipeline(presets=names, overrides=presets.collect_overrides([], args.overrides),
-                                      return_state=True)
+                state = flow.pipeline(presets=names, overrides=overrides, return_state=True)
                 lost = None if state.is_completed() else flow.server_lost(state.message or "")
             except Exception as e:
                 if (lost := flow.server_lost(e)) is None:

@@ -147,7 +147,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str, src: _Source) -> Any:
         raise src.error(prefix.rstrip(".") or names[0], str(e)) from None
 
 
-def parse_params(text: str, name: str) -> Params:
+def read_yaml(text: str, name: str) -> dict[str, Any]:
+    """params.yaml's text as plain data; a syntax error names its line."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -156,7 +157,17 @@ def parse_params(text: str, name: str) -> Params:
         raise ConfigError(f"{name}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{name}: expected a mapping of stage names to their parameters")
+    return data
+
+
+def build_params(data: dict[str, Any], name: str, text: str) -> Params:
+    """Params from `data`, read from `text` and perhaps changed since (values only, as overrides do):
+    an error names the line of its key in `text`."""
     return _build(Params, data, "", _Source(name, text))
+
+
+def parse_params(text: str, name: str) -> Params:
+    return build_params(read_yaml(text, name), name, text)
 
 
 def load_params(path: str | Path = PARAMS_FILE) -> Params:

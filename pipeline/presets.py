@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.config import PARAMS_FILE, ROOT, ConfigError, Params, parse_params
+from pipeline.config import PARAMS_FILE, ROOT, ConfigError, Params, build_params, parse_params, read_yaml
 from stages.io import atomic_write
 
 PRESETS_DIR = ROOT / "presets"
@@ -78,15 +78,13 @@ def _flow_style(value: Any) -> Any:
 
 def _set(data: dict[str, Any], key: str, value: Any, path: Path) -> None:
     """data[a][b] = value for the dotted key 'a.b', which must already be there."""
-    *parents, leaf = key.split(".")
-    node = data
-    for part in parents:
+    parent, node = None, data
+    for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
-            raise ConfigError(f"{path}: override {key}: unknown key")
-        node = node[part]
-    if not isinstance(node, dict) or leaf not in node:
-        raise ConfigError(f"{path}: override {key}: unknown key")
-    node[leaf] = value
+            known = f" (known here: {', '.join(map(str, node))})" if isinstance(node, dict) else ""
+            raise ConfigError(f"{path}: override {key}: unknown key{known}")
+        parent, node = node, node[part]
+    parent[part] = value
 
 
 def layered(overrides: dict[str, Any], path: str | Path = PARAMS_FILE, text: str | None = None) -> Params:
@@ -94,10 +92,11 @@ def layered(overrides: dict[str, Any], path: str | Path = PARAMS_FILE, text: str
     nothing written: for the stages run outside the pipeline (bench.gpu), where DVC's YAML library may
     not be installed."""
     path = Path(path)
-    data = yaml.safe_load(path.read_text(encoding="utf-8") if text is None else text)
+    text = path.read_text(encoding="utf-8") if text is None else text
+    data = read_yaml(text, str(path))
     for key, value in overrides.items():
         _set(data, key, value, path)
-    return parse_params(yaml.safe_dump(data), f"{path} (with overrides {', '.join(overrides)})")
+    return build_params(data, f"{path} (with overrides {', '.join(overrides)})", text)  # the file's lines
 
 
 def apply_overrides(overrides: dict[str, Any], path: str | Path = PARAMS_FILE) -> Params:

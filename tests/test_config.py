@@ -98,10 +98,15 @@ def test_presets_layered_in_memory_equal_those_written_into_params_yaml(tmp_path
         path.write_text(BASE, encoding="utf-8")
         overrides = {k: v for n in names for k, v in load_preset(n).items()}
         assert layered(overrides, path) == apply_overrides(overrides, path), names
-    with pytest.raises(ConfigError, match="train.max_stpes: unknown key"):
+    with pytest.raises(ConfigError, match=r"train.max_stpes: unknown key \(known here: max_steps, batch_tokens"):
         layered({"train.max_stpes": 7}, path)
-    with pytest.raises(ConfigError, match="train.max_steps: expected an integer"):
-        layered({"train.max_steps": "many"}, path)
+    with pytest.raises(ConfigError, match=r"trian.max_steps: unknown key \(known here: download, clean"):
+        layered({"trian.max_steps": 7}, path)
+    # An error names the line of its key in the file, however the layered text would be laid out.
+    line = BASE.splitlines().index(next(x for x in BASE.splitlines() if x.lstrip().startswith("max_steps:"))) + 1
+    for check in (layered, apply_overrides):
+        with pytest.raises(ConfigError, match=rf"\):{line}: train.max_steps: expected an integer"):
+            check({"train.max_steps": "many"}, path)
 
 
 def test_big_preset_is_the_papers_big_model(tmp_path):
@@ -257,3 +262,22 @@ def test_a_bench_base_is_the_committed_recipe_whatever_a_run_wrote_into_params_y
     out = subprocess.run([sys.executable, "-c", code], cwd=project, env=env_of(project), capture_output=True,
                          text=True, check=True)
     assert out.stdout.split() == ["128", "1024", "256"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--preset", "nope"], "error: no preset 'nope' (known: big, en-fr, multi30k"),
+    (["run", "-S", "train.max_stpes=3"], "override train.max_stpes: unknown key (known here: max_steps"),
+    (["quickstart", "-S", "train.max_steps=abc"], "train.max_steps: expected an integer, got 'abc'"),
+])
+def test_a_wrong_preset_or_override_stops_the_run_in_one_line_before_the_flow_starts(args, message):
+    """Checked before Prefect is imported and its server started: one line, no traceback, params.yaml as
+    it was."""
+    import subprocess
+    import sys
+
+    before = config.PARAMS_FILE.read_bytes()
+    out = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 1
+    assert out.stdout == "" and out.stderr.count("\n") == 1 and out.stderr.startswith("error: "), out.stderr
+    assert message in out.stderr
+    assert config.PARAMS_FILE.read_bytes() == before
