@@ -17,7 +17,7 @@ from pathlib import Path
 from pipeline import config, dag, presets, stage
 from pipeline.config import Params
 from stages import progress, vocab
-from stages.io import PipelineError
+from stages.io import PipelineError, decode_lines, read_lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +81,7 @@ def translate_command(args: argparse.Namespace) -> None:
         raise PipelineError(f"-S decode.{e.args[0]}: {e.args[-1]}") from None
     if args.input is not None and not args.input.is_file():
         raise PipelineError(f"{args.input}: input file not found")
-    lines = [line.rstrip("\n") for line in (args.input.open(encoding="utf-8") if args.input else sys.stdin)]
+    lines = list(read_lines(args.input) if args.input else decode_lines(sys.stdin.buffer, "standard input"))
     translator = decode.load_translator(args.model, default_device(), params.precision)
     for line in decode.translate(translator, vocab.load(args.vocab_dir), lines, params, desc="translate"):
         print(line)

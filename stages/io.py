@@ -116,17 +116,22 @@ def read_lines(path: str | Path) -> Iterator[str]:
     path = Path(path)
     if not path.is_file():
         raise PipelineError(f"{path}: file not found")
-    offset = 0
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise PipelineError(
-                    f"{path}:{number}: invalid UTF-8 at byte {offset + e.start} of the file ({e.reason})"
-                ) from None
-            offset += len(raw)
-            yield line.rstrip("\n").rstrip("\r")
+        yield from decode_lines(f, str(path), "file")
+
+
+def decode_lines(stream: IO[bytes], name: str, what: str = "input") -> Iterator[str]:
+    """Lines of a UTF-8 stream (a file, standard input) without their line ending; invalid UTF-8 names
+    the stream, line and byte offset."""
+    offset = 0
+    for number, raw in enumerate(stream, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PipelineError(f"{name}:{number}: invalid UTF-8 at byte {offset + e.start} of the {what} ({e.reason})"
+                                ) from None
+        offset += len(raw)
+        yield line.rstrip("\n").rstrip("\r")
 
 
 @dataclass(frozen=True)

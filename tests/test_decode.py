@@ -147,9 +147,16 @@ def test_translate_command_reads_a_file_or_stdin_and_warns_of_cut_lines(averaged
     expected = decode.translate(decode.load_translator(averaged[0], torch.device("cpu")), vocab.load(vocab_dir),
                                 lines, params)
     assert out.splitlines() == expected and "1 input lines were longer than the model's 511 positions" in err
-    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines[:2]) + "\n"))
+    def stdin(data: bytes) -> None:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+
+    stdin("\r\n".join(lines[:2]).encode() + b"\r\n")  # Windows line endings are line endings
     assert cli.main(args) == 0
     assert capsys.readouterr().out.splitlines() == expected[:2]
+    stdin(lines[0].encode() + b"\nA dog\xff runs.\n")
+    assert cli.main(args) == 1
+    at = len(lines[0].encode()) + len(b"\nA dog")
+    assert f"error: standard input:2: invalid UTF-8 at byte {at} of the input" in capsys.readouterr().err
     assert cli.main([*args, "-S", "train.max_steps=3"]) == 1
     assert "decode.* parameters only" in capsys.readouterr().err
 
