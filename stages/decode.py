@@ -40,16 +40,18 @@ def load_translator(model_path: str | Path, device: torch.device, precision: str
         raise PipelineError(f"decode.precision {e}") from None
 
 
-def translate(translator: Translator, sp, lines: list[str], params: DecodeParams, desc: str = "decode") -> list[str]:
+def translate(translator: Translator, sp, lines: list[str], params: DecodeParams,
+              desc: str | None = "decode") -> list[str]:
     """Translate `lines` (text), returned in input order; lines longer than the model's positions are
-    cut, with a warning."""
+    cut, with a warning. Progress is shown as `desc`, or not at all with None."""
     encoded = sp.encode(lines)
     limit = translator.max_input_length
     cut = sum(len(ids) > limit for ids in encoded)
     if cut:
         print(f"warning: {cut} input lines were longer than the model's {limit} positions and were "
               f"cut to that many tokens before translating", file=sys.stderr)
-    with Bar(total=len(lines), desc=desc, unit=" sentences", mininterval=2, file=sys.stderr) as bar:
+    with Bar(total=len(lines), desc=desc, unit=" sentences", mininterval=2, file=sys.stderr,
+             disable=desc is None) as bar:
         found = translator.translate_batch(
             encoded, beam_size=params.beam_size, length_penalty=params.length_penalty,
             length_penalty_formula=params.length_penalty_formula, stop=params.stop,
