@@ -15,8 +15,8 @@ together, with the same length penalty (|Y|^alpha, the one all three have) and t
 (a sentence is done once 4 hypotheses have ended: `decode.stop: finished`, CTranslate2's default,
 transformers' early_stopping=True). Each system's own length limit is the source length + 50 where it
 has one (ours; CTranslate2 and transformers take one limit per batch). The figure is target tokens
-produced (sentencepiece pieces of the output) per second, over each batch's best of --repeats rounds,
-the systems taking turns batch by batch (a shared machine's speed drifts within a run: bench/peers.py),
+produced (sentencepiece pieces of the output) per second, over each turn's best of --repeats rounds,
+the systems taking short turns of a few batches (a shared machine's speed drifts within a run: bench/peers.py),
 with the ratio of ours to each peer and how many output lines are the same; a peer whose lines agree
 with ours on fewer than 95% gets no ratio. With a
 reference (--reference; by default newstest2014's, or that of --train-base's last corpus) each
@@ -111,7 +111,7 @@ def main() -> None:
                          "runs at each (a worker process per system and size, all loaded at once), and the "
                          "report adds each at its fastest")
     ap.add_argument("--repeats", type=int, default=3,
-                    help="rounds over every batch, the systems in turn at each; each batch's best counts")
+                    help="rounds over every batch, the systems in turn at each few; each turn's best counts")
     ap.add_argument("--precisions", type=lambda text: tuple(text.split(",")), default=("fp32",),
                     help=f"comma-separated, of {', '.join(CT2_TYPES)} (bf16 and fp16 for GPUs, int8 for CPUs)")
     ap.add_argument("--peers", type=lambda text: tuple(text.split(",")), default=tuple(PEERS),

@@ -78,12 +78,12 @@ def decode_all(model_path: Path, vocab_dir: Path, lines: list[str], beam: int, b
     allocator settings and bring two OpenMP runtimes. The processes load at once, then take turns, one
     translating at a time, warm-ups included (OpenMP threads of several processes at once on few cores
     wait at every barrier for a time slice: `bench.decode --train-base multi30k:1,europarl:1 --limit 2` in CI
-    warmed up in 65 s what takes 2 s in turn). They take turns batch by batch: the lines are cut into the
-    batches every system makes of them (length_batches, as each does), each batch goes to every system
-    in turn, the first in turn rotating, and a system's time is the sum of each batch's best over the
-    `repeats` rounds. A slow spell of a shared machine, seconds to minutes long, so falls on every system
-    alike: turns of whole runs of every line gave ratios from 0.76x to 1.11x between the same two systems
-    on 2 cloud cores."""
+    warmed up in 65 s what takes 2 s in turn). The turns are short: the lines are cut into the batches
+    every system makes of them (length_batches, as each does), consecutive batches joined into about ten
+    turns a round (`turns`), each turn goes to every system in turn, the first rotating, and a system's
+    time is the sum of each turn's best over the `repeats` rounds. A slow spell of a shared machine,
+    seconds to minutes long, so falls on every system alike: turns of whole runs of every line gave
+    ratios from 0.76x to 1.11x between the same two systems on 2 cloud cores."""
     marian_dir = export.to_marian(model_path, vocab_dir, tmp / "marian")
     ct2_dir = export.to_ctranslate2(marian_dir, tmp / "ct2")
     sp = vocab.load(vocab_dir)
@@ -97,23 +97,44 @@ def decode_all(model_path: Path, vocab_dir: Path, lines: list[str], beam: int, b
                 precision, lines[:8], (SYSTEMS[0], *peers))) for size in batch_sizes}
             for size_workers in workers.values():
                 unavailable |= {f"{name} {precision}": why for name, why in size_workers.unavailable.items()}
-            fastest: dict[tuple[str, int], dict[int, float]] = {}  # (system, size) -> each batch's best seconds
+            fastest: dict[tuple[str, int], dict[int, float]] = {}  # (system, size) -> each turn's best seconds
             outputs: dict[tuple[str, int], list[str]] = {}
             for _ in range(repeats):
                 for size, size_workers in workers.items():
                     ready = size_workers.ready
-                    for b, batch in enumerate(length_batches(lengths, size)):
-                        some = [lines[i] for i in batch]
-                        for name in ready[b % len(ready):] + ready[: b % len(ready)]:
+                    for t, turn in enumerate(turns(length_batches(lengths, size), len(lines))):
+                        some = [lines[i] for i in turn]
+                        for name in ready[t % len(ready):] + ready[: t % len(ready)]:
+                            time.sleep(SETTLE_SECONDS)
                             seconds, out = size_workers.translate(name, some)
                             times = fastest.setdefault((name, size), {})
-                            times[b] = min(times.get(b, float("inf")), seconds)
+                            times[t] = min(times.get(t, float("inf")), seconds)
                             done = outputs.setdefault((name, size), [""] * len(lines))
-                            for i, line in zip(batch, out, strict=True):
+                            for i, line in zip(turn, out, strict=True):
                                 done[i] = line
         results += [Decoded(name, precision, size, sum(fastest[name, size].values()),
                             sum(len(ids) for ids in sp.encode(out)), out) for (name, size), out in outputs.items()]
     return results, unavailable
+
+
+# Between turns: the OpenMP threads of the system whose turn ended spin on for milliseconds, on the
+# cores the next one needs (one sentence at a time, bench.decode --batch-tokens 1: 10-17% slower
+# without the pause, for ours and CTranslate2 alike).
+SETTLE_SECONDS = 0.1
+
+
+def turns(batches: list[list[int]], lines: int, per_round: int = 10) -> list[list[int]]:
+    """Consecutive batches joined into turns of at least lines / per_round lines each (the last may
+    hold fewer): a turn per batch where batches are large, and few pauses where they are one sentence
+    each. A system cuts a turn's lines into the same batches again, as they are consecutive in
+    length order."""
+    out: list[list[int]] = []
+    for batch in batches:
+        if out and len(out[-1]) * per_round < lines:
+            out[-1] = out[-1] + batch
+        else:
+            out.append(list(batch))
+    return out
 
 
 class _Workers:

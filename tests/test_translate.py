@@ -367,3 +367,20 @@ def test_decoding_on_cpus_keeps_freed_memory_for_the_next_step(averaged, vocab_d
     kept = {how: freed_bytes_kept(prepare, 16, averaged[0], vocab_dir) for how, prepare in
             (("default", ""), ("decoded", DECODED))}
     assert kept["default"] < 16 << 20 <= kept["decoded"], kept
+
+
+@pytest.mark.parametrize("budget", [1, 60, 4000])
+def test_bench_turns_hold_whole_batches_that_each_system_cuts_again_alike(budget):
+    """bench.decode times each system a turn of consecutive batches at a time: a turn's lines, batched
+    again by a system, must be the very batches the turn was made of, so turns add up to the work of one
+    run over every line."""
+    from bench.peers import turns
+    from translate.translator import length_batches
+
+    lengths = [int(x) for x in torch.randint(1, 40, (300,), generator=torch.Generator().manual_seed(0))]
+    batches = length_batches(lengths, budget)
+    made = turns(batches, len(lengths))
+    assert sorted(i for turn in made for i in turn) == list(range(len(lengths)))
+    assert all(len(turn) * 10 >= len(lengths) for turn in made[:-1]) and len(made) <= 10 + 1
+    again = [[turn[j] for j in batch] for turn in made for batch in length_batches([lengths[i] for i in turn], budget)]
+    assert again == batches
