@@ -79,8 +79,6 @@ def translate_command(args: argparse.Namespace) -> None:
         params = dataclasses.replace(params, **{k.split(".", 1)[1]: v for k, v in changes.items()})
     except ValueError as e:  # a check of DecodeParams: (key, message)
         raise PipelineError(f"-S decode.{e.args[0]}: {e.args[-1]}") from None
-    if args.input is not None and not args.input.is_file():
-        raise PipelineError(f"{args.input}: input file not found")
     lines = list(read_lines(args.input) if args.input else decode_lines(sys.stdin.buffer, "standard input"))
     translator = decode.load_translator(args.model, default_device(), params.precision)
     for line in decode.translate(translator, vocab.load(args.vocab_dir), lines, params, desc="translate"):

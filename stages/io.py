@@ -128,8 +128,8 @@ def decode_lines(stream: IO[bytes], name: str, what: str = "input") -> Iterator[
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise PipelineError(f"{name}:{number}: invalid UTF-8 at byte {offset + e.start} of the {what} ({e.reason})"
-                                ) from None
+            at = offset + e.start
+            raise PipelineError(f"{name}:{number}: invalid UTF-8 at byte {at} of the {what} ({e.reason})") from None
         offset += len(raw)
         yield line.rstrip("\n").rstrip("\r")
 

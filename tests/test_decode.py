@@ -159,6 +159,8 @@ def test_translate_command_reads_a_file_or_stdin_and_warns_of_cut_lines(averaged
     assert f"error: standard input:2: invalid UTF-8 at byte {at} of the input" in capsys.readouterr().err
     assert cli.main([*args, "-S", "train.max_steps=3"]) == 1
     assert "decode.* parameters only" in capsys.readouterr().err
+    assert cli.main([*args, str(tmp_path / "absent.en")]) == 1
+    assert "absent.en: file not found" in capsys.readouterr().err
 
 
 
