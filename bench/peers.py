@@ -118,8 +118,9 @@ def decode_all(model_path: Path, vocab_dir: Path, lines: list[str], beam: int, b
 
 
 # Between turns: the OpenMP threads of the system whose turn ended spin on for milliseconds, on the
-# cores the next one needs (one sentence at a time, bench.decode --batch-tokens 1: 10-17% slower
-# without the pause, for ours and CTranslate2 alike).
+# cores the next one needs. With a turn per sentence (bench.decode --batch-tokens 1) that took 10-17%
+# from ours and CTranslate2 alike; in turns of about a tenth of the lines (`turns`) it is under the
+# machine's drift, and the pause costs a few seconds a round.
 SETTLE_SECONDS = 0.1
 
 
