@@ -11,7 +11,9 @@ in turn (best of --repeats), with the ratio and the largest difference of their 
   oneDNN would give without the size limit;
 - a step's linear layers of a --decoder-layers deep decoder, in the order a step runs them (so each
   weight comes from memory, as in decoding): PackedLinear (oneDNN on weights packed once, the
-  feed-forward's ReLU in its first product) against nn.Linear (MKL) and a ReLU of its own;
+  feed-forward's ReLU in its first product) against nn.Linear (MKL) and a ReLU of its own, and fbgemm's
+  product of the weights in fp16 (HalfWeights.narrow, decode.precision fp16) against PackedLinear: where
+  it stops paying is HalfWeights' FEW_ROWS;
 - a step's attention at --keys keys, self-attention (one query per matrix) and attention to the source
   (4 beams per matrix): scaled_dot_product_attention against two batched products, and which the
   CPU backend takes (fused_attention_is_faster);
@@ -102,6 +104,7 @@ def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats
     relu = [n_out == d_ff for _, n_out in per_layer] * layers
     plain = [nn.Linear(n_in, n_out) for n_in, n_out in per_layer * layers]
     ours = [cpu.PackedLinear(linear.weight, linear.bias, relu=r) for linear, r in zip(plain, relu, strict=True)]
+    half = [cpu.half_weights(linear.weight, linear.bias, relu=r).narrow for linear, r in zip(plain, relu, strict=True)]
     megabytes = sum(linear.weight.nbytes for linear in plain) / 2**20
     table = []
     for n in rows:
@@ -112,12 +115,16 @@ def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats
             return outputs if fused else [y.relu() if r else y for y, r in zip(outputs, relu, strict=True)]
 
         mkl, packed = _best(lambda: step(plain, False), repeats), _best(lambda: step(ours, True), repeats)
+        fp16 = _best(lambda: step(half, True), repeats)
         error = max(float((a - b).abs().max()) for a, b in zip(step(ours, True), step(plain, False), strict=True))
         print(f"{layers} layers of d_model {d_model}, d_ff {d_ff} ({megabytes:.0f} MB of weights), {n:>5} rows: "
               f"nn.Linear and ReLU {mkl * 1e3:7.2f} ms, PackedLinear {packed * 1e3:7.2f} ms: {mkl / packed:.2f}x"
-              f"  (largest difference {error:.1e})")
+              f"  (largest difference {error:.1e}); fp16 weights {fp16 * 1e3:7.2f} ms: "
+              f"{packed / fp16:.2f}x PackedLinear")
         table.append({"d_model, d_ff": f"{d_model}, {d_ff}", "rows": n, "nn.Linear and ReLU (ms)": round(mkl * 1e3, 3),
-                      "PackedLinear (ms)": round(packed * 1e3, 3), "PackedLinear / nn.Linear": f"{mkl / packed:.2f}x"})
+                      "PackedLinear (ms)": round(packed * 1e3, 3), "PackedLinear / nn.Linear": f"{mkl / packed:.2f}x",
+                      "fp16 weights (ms)": round(fp16 * 1e3, 3),
+                      "PackedLinear / fp16 weights": f"{packed / fp16:.2f}x"})
     return table
 
 
@@ -240,7 +247,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="256x8000,512x37000", help="d_model x vocabulary, comma-separated")
     ap.add_argument("--layers", default="256x1024,512x2048", help="d_model x d_ff, comma-separated")
     ap.add_argument("--sentences", default="1,5,20,80,250", help="sentences per step of the selection")
-    ap.add_argument("--rows", default="8,20,80,320,1000", help="rows per step (beams x sentences), comma-separated")
+    ap.add_argument("--rows", default="4,8,16,32,80,320,1000",
+                    help="rows per step (beams x sentences), comma-separated")
     ap.add_argument("--keys", default="4,15,40", help="keys per attention matrix (positions so far, or the "
                     "source's), comma-separated")
     ap.add_argument("--decoder-layers", type=int, default=6, help="decoder layers whose linear layers a step runs")

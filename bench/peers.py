@@ -283,7 +283,8 @@ def _ratio(ours: Decoded, other: Decoded) -> str:
 def table(results: list[Decoded], references: list[str] | None = None) -> tuple[list[dict[str, Any]], str]:
     """Each system's rate, ours against it at the same precision and batch size, and the share of
     output lines identical to ours; with references, each system's sacreBLEU (what a lower precision
-    costs). The summary: each peer against ours, each at its fastest batch size."""
+    costs). The summary: each peer against ours, each at its fastest batch size, and ours at a precision
+    a peer lacks against that peer at the first precision."""
     import sacrebleu
 
     rows = []
@@ -307,9 +308,16 @@ def table(results: list[Decoded], references: list[str] | None = None) -> tuple[
         if (r.system, r.precision) not in fastest or r.rate > fastest[r.system, r.precision].rate:
             fastest[r.system, r.precision] = r
     sizes = len({r.batch_tokens for r in results}) > 1
-    summary = "; ".join(f"{r.system} {r.precision}{f' at {r.batch_tokens:,}' if sizes else ''}: "
-                        f"{_ratio(fastest[SYSTEMS[0], r.precision], r)}"
-                        for r in fastest.values() if r.system != SYSTEMS[0]) or "ours alone"
+    at = (lambda r: f" at {r.batch_tokens:,}") if sizes else (lambda r: "")
+    pairs = [(fastest[SYSTEMS[0], r.precision], r) for r in fastest.values() if r.system != SYSTEMS[0]]
+    # ours at a precision a peer could not run (CTranslate2 has no fp16 on CPUs): against the peer at the first
+    first = results[0].precision
+    pairs += [(ours, r) for ours in fastest.values() if ours.system == SYSTEMS[0] and ours.precision != first
+              for r in fastest.values() if r.system != SYSTEMS[0] and r.precision == first
+              and (r.system, ours.precision) not in fastest]
+    summary = "; ".join(f"{r.system} {r.precision}{at(r)}: {_ratio(ours, r)}" if ours.precision == r.precision
+                        else f"ours {ours.precision}{at(ours)} against {r.system} {r.precision}{at(r)}: "
+                             f"{_ratio(ours, r)}" for ours, r in pairs) or "ours alone"
     return rows, (f"each at its fastest batch size: {summary}" if sizes else summary)
 
 

@@ -265,7 +265,7 @@ def test_the_cpus_best_candidates_are_the_full_top_k_over_beams_and_vocabulary(v
 
 # -- the CPU backend on the model trained on real text ------------------------------------------
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
 def test_decoding_on_cpus_makes_nothing_on_torchs_default_device(averaged, vocab_dir, cleaned, precision):
     # A default device set elsewhere (a notebook's set_default_device("cuda"), TEST_DEVICE=cuda) must not
     # leak in: on "meta" any tensor made there has no data, and mixing it with the CPU's raises.
@@ -351,6 +351,44 @@ def test_int8_model_runs_every_product_in_int8_close_to_fp32(averaged, on_cpu):
     assert 0 < error < 0.05, error  # quantized (not fp32 under another name), and no product far off
 
 
+@pytest.mark.skipif(not cpu.has_fp16_products(), reason="fbgemm's fp16 product is in x86 builds of PyTorch")
+def test_fp16_on_cpus_computes_in_fp32_what_the_model_with_its_weights_in_fp16_does(averaged, vocab_dir, cleaned,
+                                                                                     on_cpu, monkeypatch):
+    plain = decode.read_transformer(averaged[0]).eval()
+    rounded = decode.read_transformer(averaged[0]).eval()  # the independent reference: every matrix in fp16
+    with torch.no_grad():
+        for p in rounded.parameters():
+            if p.dim() == 2:
+                p.copy_(p.half())
+    translator = decode.load_translator(averaged[0], torch.device("cpu"), "fp16")
+    half = translator.model
+    assert not any(isinstance(m, torch.nn.Linear) for m in half.modules())
+    assert isinstance(half.output, cpu.HalfWeights)
+    layers = [m for stack in (half.encoder, half.decoder) for m in stack.modules() if isinstance(m, cpu.HalfWeights)]
+    assert len(layers) == 4 * plain.config.encoder_layers + 8 * plain.config.decoder_layers
+    src, tgt = torch.randint(4, plain.vocab_size, (3, 9)), torch.randint(4, plain.vocab_size, (3, 6))
+    with torch.inference_mode():
+        for rows in (4, cpu.FEW_ROWS + 1, 1000):  # fbgemm's fp16 product, then oneDNN's on the rounded weights
+            x = torch.randn(rows, 1, plain.config.d_model)
+            expected = rounded.decoder[0].ffn(x)
+            torch.testing.assert_close(half.decoder[0].ffn(x), expected, rtol=1e-5, atol=1e-5)
+            assert not torch.allclose(plain.decoder[0].ffn(x), expected, rtol=1e-5, atol=1e-5)  # rounding changed it
+            torch.testing.assert_close(half.output(x), rounded.output(x), rtol=1e-5, atol=1e-5)
+        # a step of one sentence (few rows: fbgemm), and the whole batch (oneDNN)
+        torch.testing.assert_close(half(src[:1], tgt[:1, :2]), rounded(src[:1], tgt[:1, :2]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(half(src, tgt), rounded(src, tgt), rtol=1e-5, atol=1e-5)
+    lines, sp = list(read_lines(cleaned[0] / "dev.en"))[:8], vocab.load(vocab_dir)
+    reference = Translator(rounded, "cpu", "fp32", bos_id=vocab.BOS_ID, eos_id=vocab.EOS_ID)
+    rows, fbgemm = [], torch.fbgemm_linear_fp16_weight
+    monkeypatch.setattr(torch, "fbgemm_linear_fp16_weight",
+                        lambda x, *weights: rows.append(x[..., 0].numel()) or fbgemm(x, *weights))
+    for batch_tokens in (1, 100):  # one sentence at a time (fbgemm's product) and all together (oneDNN's)
+        params = DecodeParams(beam_size=4, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
+                              max_length_extra=5, batch_tokens=batch_tokens)
+        assert decode.translate(translator, sp, lines, params) == decode.translate(reference, sp, lines, params)
+    assert rows and max(rows) <= cpu.FEW_ROWS  # a sentence's beams took fbgemm's product, larger steps not
+
+
 DECODED = """
 from stages import decode, vocab
 from stages.params import DecodeParams
@@ -384,3 +422,18 @@ def test_bench_turns_hold_whole_batches_that_each_system_cuts_again_alike(budget
     assert all(len(turn) * 10 >= len(lengths) for turn in made[:-1]) and len(made) <= 10 + 1
     again = [[turn[j] for j in batch] for turn in made for batch in length_batches([lengths[i] for i in turn], budget)]
     assert again == batches
+
+
+def test_bench_compares_ours_at_a_precision_a_peer_lacks_with_that_peer_at_the_first_precision():
+    """CTranslate2 has no fp16 on CPUs: bench.decode --precisions fp32,fp16 sets ours in fp16 against its
+    fp32, named as such, and a peer that has the precision against ours at it only."""
+    from bench.peers import SYSTEMS, Decoded, table
+
+    lines = ["ein Hund", "eine Katze"]
+    ours, peer = SYSTEMS[0], SYSTEMS[2]
+    results = [Decoded(ours, "fp32", 1, 2.0, 100, lines), Decoded(peer, "fp32", 1, 1.0, 100, lines),
+               Decoded(ours, "fp16", 1, 1.25, 100, lines)]
+    assert table(results)[1] == ("CTranslate2 fp32: ours / this: 0.50x; "
+                                 "ours fp16 against CTranslate2 fp32: ours / this: 0.80x")
+    results.append(Decoded(peer, "fp16", 1, 0.5, 100, lines))
+    assert table(results)[1] == "CTranslate2 fp32: ours / this: 0.50x; CTranslate2 fp16: ours / this: 0.40x"

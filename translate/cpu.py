@@ -1,14 +1,15 @@
-"""Decoding on CPUs: fp32 on oneDNN's packed weights, or int8 on fbgemm's; attention and the beam's
-candidate selection as they run fastest there; glibc told to keep freed memory. Each a transform of
-the trained model; `prepare` applies those of a precision. `python -m bench.cpu_decoding` measures each
-against PyTorch's own way, alone and in decoding, and `python -m bench.decode` the whole against
-CTranslate2."""
+"""Decoding on CPUs: fp32 on oneDNN's packed weights, fp16 weights with fp32 arithmetic, or int8 on
+fbgemm's; attention and the beam's candidate selection as they run fastest there; glibc told to keep
+freed memory. Each a transform of the trained model; `prepare` applies those of a precision.
+`python -m bench.cpu_decoding` measures each against PyTorch's own way, alone and in decoding, and
+`python -m bench.decode` the whole against CTranslate2."""
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -77,6 +78,40 @@ class PackedOutput(nn.Module):
         if self.buffer is None or self.buffer.numel() < size:
             self.buffer = self.weight.new_empty(size)
         return torch.matmul(x, self.weight.t(), out=self.buffer[:size].view(shape))
+
+
+# Rows up to which fbgemm's fp16 product beats oneDNN's fp32 one on the same weights: a step of one or
+# two sentences' beams, bound by reading the weights (`python -m bench.cpu_decoding`: linear layers).
+FEW_ROWS = 8
+
+
+class HalfWeights(nn.Module):
+    """x W^T + b with W rounded to fp16 and the arithmetic in fp32 (decode.precision fp16 on CPUs): at up
+    to FEW_ROWS rows fbgemm's product, which widens the fp16 weights as it reads them, so a step of one
+    sentence reads half the bytes; above, `wide` on the same rounded weights in fp32 (PackedLinear or
+    PackedOutput), where the products are bound by arithmetic. Either way the numbers are those of the
+    model with its weights in fp16. torch deprecates fbgemm's fp16 product (a future release drops it);
+    the fp16 tests fail when it does."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, wide: Callable[[Tensor, Tensor | None], nn.Module],
+                 relu: bool = False) -> None:
+        super().__init__()
+        rounded = weight.detach().to(torch.float16).float()
+        self.bias = rounded.new_zeros(rounded.size(0)) if bias is None else bias.detach().float()
+        self.wide = wide(rounded, None if bias is None else self.bias)
+        self.relu = relu
+        with warnings.catch_warnings():  # the deprecation above, once per process: not the user's to act on
+            warnings.simplefilter("ignore", UserWarning)
+            self.packed = torch.fbgemm_pack_gemm_matrix_fp16(rounded)
+            self.narrow(rounded.new_zeros(1, rounded.size(1)))
+
+    def narrow(self, x: Tensor) -> Tensor:
+        """fbgemm's product, at any number of rows."""
+        y = torch.fbgemm_linear_fp16_weight(x, self.packed, self.bias)
+        return y.relu_() if self.relu else y
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.narrow(x) if x[..., 0].numel() <= FEW_ROWS else self.wide(x)
 
 
 class Int8Linear(nn.Module):
@@ -162,17 +197,34 @@ def pack_output(model: Transformer) -> None:
     model.output = PackedOutput(model.embed.weight)
 
 
-def pack_linear_layers(model: Transformer) -> None:
-    """Every linear layer but the output projection (fp32) as a PackedLinear, in place, each
+Product = Callable[..., nn.Module]  # (weight, bias, relu=False) -> the module that computes x W^T + b
+
+
+def pack_linear_layers(model: Transformer, product: Product = PackedLinear) -> None:
+    """Every linear layer but the output projection as a PackedLinear (or `product`), in place, each
     feed-forward's ReLU fused into its first product. The packed weights replace the plain ones."""
     for module in model.modules():
         if isinstance(module, FeedForward):
             first, relu, second = module.net
             assert isinstance(first, nn.Linear) and isinstance(relu, nn.ReLU) and isinstance(second, nn.Linear)
-            module.net = nn.Sequential(PackedLinear(first.weight, first.bias, relu=True),
-                                       PackedLinear(second.weight, second.bias))
-    replace_modules(model.encoder, nn.Linear, lambda linear: PackedLinear(linear.weight, linear.bias))
-    replace_modules(model.decoder, nn.Linear, lambda linear: PackedLinear(linear.weight, linear.bias))
+            module.net = nn.Sequential(product(first.weight, first.bias, relu=True),
+                                       product(second.weight, second.bias))
+    replace_modules(model.encoder, nn.Linear, lambda linear: product(linear.weight, linear.bias))
+    replace_modules(model.decoder, nn.Linear, lambda linear: product(linear.weight, linear.bias))
+
+
+def half_weights(weight: Tensor, bias: Tensor | None, relu: bool = False) -> HalfWeights:
+    """A linear layer as HalfWeights, PackedLinear above FEW_ROWS rows."""
+    return HalfWeights(weight, bias, lambda rounded, b: PackedLinear(rounded, b, relu), relu)
+
+
+def round_weights_to_fp16(model: Transformer) -> None:
+    """Every linear layer and the output projection as HalfWeights, in place (the shared embedding's
+    rows rounded too, so that the whole model is the one with its weights in fp16)."""
+    pack_linear_layers(model, half_weights)
+    with torch.no_grad():
+        model.embed.weight.copy_(model.embed.weight.half())
+    model.output = HalfWeights(model.embed.weight, None, lambda rounded, _: PackedOutput(rounded))
 
 
 def quantize_int8(model: Transformer) -> None:
@@ -187,6 +239,11 @@ def attend_for_decoding(model: Transformer) -> None:
             swap_class(module, DecodingAttention)
 
 
+def has_fp16_products() -> bool:
+    """Whether this PyTorch has fbgemm's fp16 product (x86 builds); elsewhere fp16 is the model in fp16."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and torch.backends.mkldnn.is_available()
+
+
 def prepare(model: Transformer, precision: str) -> Select:
     """Apply the CPU's transforms for `precision` to `model` (fp32, on the CPU); return the beam's
     candidate selection to use with it."""
@@ -195,6 +252,8 @@ def prepare(model: Transformer, precision: str) -> Select:
     attend_for_decoding(model)
     if precision == "int8":
         quantize_int8(model)
+    elif precision == "fp16" and has_fp16_products():
+        round_weights_to_fp16(model)
     elif precision == "fp32":
         pack_output(model)
         if torch.backends.mkldnn.is_available():
