@@ -292,7 +292,10 @@ def main() -> None:
                                                                       args.repeats)]
     record("cpu_decoding", f"linear layers {args.layers} rows {args.rows}", f"A decoding step's linear layers "
            f"({args.decoder_layers} decoder layers, weights from memory), {threads}", table, "PackedLinear against "
-           f"nn.Linear: {_spread([float(r['PackedLinear / nn.Linear'][:-1]) for r in table])}")
+           f"nn.Linear: {_spread([float(r['PackedLinear / nn.Linear'][:-1]) for r in table])}; fp16 weights "
+           "against PackedLinear: " + ", ".join(
+               f"{_spread([float(r['PackedLinear / fp16 weights'][:-1]) for r in table if r['rows'] == n])} at {n} rows"
+               for n in rows))
     table = [row for d_model, _ in layers  # heads of 64, as the paper's
              for row in attention_kernels(d_model, max(d_model // 64, 1), rows, keys, args.repeats)]
     chosen = [float(r["products / fused"][:-1]) ** (1 if r["taken"] == "fused" else -1) for r in table]
