@@ -104,7 +104,8 @@ def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats
     relu = [n_out == d_ff for _, n_out in per_layer] * layers
     plain = [nn.Linear(n_in, n_out) for n_in, n_out in per_layer * layers]
     ours = [cpu.PackedLinear(linear.weight, linear.bias, relu=r) for linear, r in zip(plain, relu, strict=True)]
-    half = [cpu.half_weights(linear.weight, linear.bias, relu=r).narrow for linear, r in zip(plain, relu, strict=True)]
+    half = ([cpu.half_weights(linear.weight, linear.bias, relu=r).narrow for linear, r in zip(plain, relu, strict=True)]
+            if cpu.has_fp16_products() else None)  # fbgemm: x86 builds only
     megabytes = sum(linear.weight.nbytes for linear in plain) / 2**20
     table = []
     for n in rows:
@@ -115,16 +116,19 @@ def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats
             return outputs if fused else [y.relu() if r else y for y, r in zip(outputs, relu, strict=True)]
 
         mkl, packed = _best(lambda: step(plain, False), repeats), _best(lambda: step(ours, True), repeats)
-        fp16 = _best(lambda: step(half, True), repeats)
         error = max(float((a - b).abs().max()) for a, b in zip(step(ours, True), step(plain, False), strict=True))
+        row = {"d_model, d_ff": f"{d_model}, {d_ff}", "rows": n, "nn.Linear and ReLU (ms)": round(mkl * 1e3, 3),
+               "PackedLinear (ms)": round(packed * 1e3, 3), "PackedLinear / nn.Linear": f"{mkl / packed:.2f}x"}
+        fp16 = ""
+        if half is not None:
+            seconds = _best(lambda: step(half, True), repeats)
+            fp16 = f"; fp16 weights {seconds * 1e3:7.2f} ms: {packed / seconds:.2f}x PackedLinear"
+            row |= {"fp16 weights (ms)": round(seconds * 1e3, 3),
+                    "PackedLinear / fp16 weights": f"{packed / seconds:.2f}x"}
         print(f"{layers} layers of d_model {d_model}, d_ff {d_ff} ({megabytes:.0f} MB of weights), {n:>5} rows: "
               f"nn.Linear and ReLU {mkl * 1e3:7.2f} ms, PackedLinear {packed * 1e3:7.2f} ms: {mkl / packed:.2f}x"
-              f"  (largest difference {error:.1e}); fp16 weights {fp16 * 1e3:7.2f} ms: "
-              f"{packed / fp16:.2f}x PackedLinear")
-        table.append({"d_model, d_ff": f"{d_model}, {d_ff}", "rows": n, "nn.Linear and ReLU (ms)": round(mkl * 1e3, 3),
-                      "PackedLinear (ms)": round(packed * 1e3, 3), "PackedLinear / nn.Linear": f"{mkl / packed:.2f}x",
-                      "fp16 weights (ms)": round(fp16 * 1e3, 3),
-                      "PackedLinear / fp16 weights": f"{packed / fp16:.2f}x"})
+              f"  (largest difference {error:.1e}){fp16}")
+        table.append(row)
     return table
 
 
@@ -292,10 +296,10 @@ def main() -> None:
                                                                       args.repeats)]
     record("cpu_decoding", f"linear layers {args.layers} rows {args.rows}", f"A decoding step's linear layers "
            f"({args.decoder_layers} decoder layers, weights from memory), {threads}", table, "PackedLinear against "
-           f"nn.Linear: {_spread([float(r['PackedLinear / nn.Linear'][:-1]) for r in table])}; fp16 weights "
-           "against PackedLinear: " + ", ".join(
-               f"{_spread([float(r['PackedLinear / fp16 weights'][:-1]) for r in table if r['rows'] == n])} at {n} rows"
-               for n in rows))
+           f"nn.Linear: {_spread([float(r['PackedLinear / nn.Linear'][:-1]) for r in table])}" + (
+               "; fp16 weights against PackedLinear: " + ", ".join(
+                   f"{_spread([float(r['PackedLinear / fp16 weights'][:-1]) for r in table if r['rows'] == n])} "
+                   f"at {n} rows" for n in rows) if cpu.has_fp16_products() else ""))
     table = [row for d_model, _ in layers  # heads of 64, as the paper's
              for row in attention_kernels(d_model, max(d_model // 64, 1), rows, keys, args.repeats)]
     chosen = [float(r["products / fused"][:-1]) ** (1 if r["taken"] == "fused" else -1) for r in table]
