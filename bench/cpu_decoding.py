@@ -21,13 +21,14 @@ in turn (best of --repeats), with the ratio and the largest difference of their 
   log-probabilities: best_candidates (the best chunks first) against a full top-k.
 --threads 1 shows what a second thread gives each.
 
-With a model, five translators of it, each with one transform more than the one before, translate the
+With a model, six translators of it, each with one transform more than the one before, translate the
 first --limit lines of --source in one process, alternating for --rounds rounds: plain (the model as
-trained), + self-attention's q, k and v in one product (fuse_self_attention), + decoding's attention
+trained), + dropout layers as identities (remove_dropout), + self-attention's q, k and v in one product
+(fuse_self_attention), + decoding's attention
 (DecodingAttention), + PackedOutput, + PackedLinear (every linear layer, the ReLU fused: the CPU
 backend's whole fp32 set, as the decode stage runs it). All search with best_candidates. It prints the
 medians (and each one's range over the rounds, as machines drift), each transform's own ratio and how
-many lines all five translate the same (they should all be)."""
+many lines all six translate the same (they should all be)."""
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ from stages.params import DecodeParams
 from translate import cpu
 from translate.translator import Translator
 from translate.beam_search import top_k
-from translate.transforms import fuse_self_attention
+from translate.transforms import fuse_self_attention, remove_dropout
 from transformer.attention import MultiHeadAttention
 from transformer.model import Transformer
 
@@ -136,7 +137,8 @@ def attention_kernels(d_model: int, heads: int, rows: list[int], keys: list[int]
                       beams: int = 4) -> Rows:
     """A decoding step's attention, scaled_dot_product_attention against two batched products:
     self-attention (one query per matrix, each row its own keys) and attention to the source (a
-    sentence's beams against its keys, the last two padding), and which of the two the CPU backend takes."""
+    sentence's beams against its keys, the last two padding), and which of the two the CPU backend takes;
+    for attention to the source, also the time of what it takes without a padding mask (no source padded)."""
     torch.manual_seed(0)
     d = d_model // heads
     sdpa = MultiHeadAttention(d_model, heads, d, d, 0.0).eval()
@@ -154,13 +156,24 @@ def attention_kernels(d_model: int, heads: int, rows: list[int], keys: list[int]
                 products = _best(lambda: cpu.attend_by_products(q, k, v, mask), repeats)
                 fused = _best(lambda: sdpa.attend(q, k, v, mask, causal=False), repeats)
                 error = float((cpu.attend_by_products(q, k, v, mask) - sdpa.attend(q, k, v, mask, False)).abs().max())
-                pick = cpu.fused_attention_is_faster(q.numel() // d, q.size(2), t)
+                pick = cpu.fused_attention_is_faster(q.numel() // d, q.size(2), t, mask is not None)
+                row = {"d_model, heads": f"{d_model}, {heads}", "rows": n, "keys": t, "attention": name,
+                       "products (us)": round(products * 1e6), "fused (us)": round(fused * 1e6),
+                       "products / fused": f"{products / fused:.2f}x", "taken": "fused" if pick else "products",
+                       "without a mask (us)": ""}  # self-attention while decoding has none
+                unmasked = ""
+                if mask is not None:  # where no source is padded there is no mask (ModelSteps): what it takes then
+                    taken = fused if pick else products
+                    bare_pick = cpu.fused_attention_is_faster(q.numel() // d, q.size(2), t, False)
+                    bare = _best(lambda: sdpa.attend(q, k, v, None, False) if bare_pick else
+                                 cpu.attend_by_products(q, k, v, None), repeats)
+                    row["without a mask (us)"] = round(bare * 1e6)
+                    unmasked = (f", without a mask {'fused' if bare_pick else 'products'} {bare * 1e6:.0f} us "
+                                f"({taken / bare:.2f}x)")
                 cells.append(f"{name}: products {products * 1e6:6.0f} us, fused {fused * 1e6:6.0f} us "
                              f"({products / fused:.2f}x, takes {'fused' if pick else 'products'}; "
-                             f"difference {error:.0e})")
-                table.append({"d_model, heads": f"{d_model}, {heads}", "rows": n, "keys": t, "attention": name,
-                              "products (us)": round(products * 1e6), "fused (us)": round(fused * 1e6),
-                              "products / fused": f"{products / fused:.2f}x", "taken": "fused" if pick else "products"})
+                             f"difference {error:.0e}){unmasked}")
+                table.append(row)
             print(f"{n:>5} rows, {t:>3} keys: " + "; ".join(cells))
     return table
 
@@ -191,8 +204,9 @@ def selection(vocab_sizes: list[int], sentences: list[int], repeats: int, beams:
 
 
 # The CPU backend's fp32 transforms in the order it applies them; each translator takes one more.
-TRANSFORMS = (("+ fused q, k, v", fuse_self_attention), ("+ decoding's attention", cpu.attend_for_decoding),
-              ("+ PackedOutput", cpu.pack_output), ("+ PackedLinear", cpu.pack_linear_layers))
+TRANSFORMS = (("+ no dropout layers", remove_dropout), ("+ fused q, k, v", fuse_self_attention),
+              ("+ decoding's attention", cpu.attend_for_decoding), ("+ PackedOutput", cpu.pack_output),
+              ("+ PackedLinear", cpu.pack_linear_layers))
 VARIANTS = {"plain": (), **{name: tuple(t for _, t in TRANSFORMS[: i + 1]) for i, (name, _) in enumerate(TRANSFORMS)}}
 
 

@@ -19,7 +19,7 @@ from translate import cpu, translator as translator_module
 from translate.translator import PRECISIONS, Translator
 from translate.beam_search import STOPS, beam_search
 from translate.cache import GrowingKVCache, SourceKVCache
-from translate.transforms import FusedProjections, fuse_self_attention
+from translate.transforms import FusedProjections, fuse_self_attention, remove_dropout
 from translate.translator import ModelSteps
 from transformer.model import Transformer
 
@@ -150,6 +150,35 @@ def test_fused_self_attention_projections_compute_what_the_three_did(head_sizes)
         [[h.tokens for h in hs] for hs in _search(model, src, 4)]
 
 
+
+
+def test_a_batch_without_padding_is_decoded_without_a_mask_to_the_same_log_probabilities():
+    model = tiny_model(seed=13)
+    src = torch.randint(4, 23, (3, 6))  # no padding
+    tokens = torch.cat([torch.full((6, 1), BOS), torch.randint(4, 23, (6, 3))], dim=1)  # two beams a sentence
+    with torch.no_grad():
+        unmasked, masked = ModelSteps(model, src), ModelSteps(model, src)
+        assert unmasked.src_pad is None
+        masked.src_pad = src.eq(PAD)  # a mask of no padding, as before there was none
+        for t in range(2):
+            torch.testing.assert_close(unmasked.step(tokens[:, : t + 1]), masked.step(tokens[:, : t + 1]))
+        for steps in (unmasked, masked):  # the first sentence is done: its rows leave the batch
+            steps.reorder(torch.tensor([2, 3, 4, 5]), sentences=torch.tensor([1, 2]))
+        assert unmasked.src_pad is None and unmasked.memory.size(0) == 2
+        torch.testing.assert_close(unmasked.step(tokens[2:]), masked.step(tokens[2:]))
+
+
+def test_decoding_without_dropout_layers_computes_what_the_model_does_at_inference():
+    torch.manual_seed(11)
+    config = dataclasses.replace(tiny_model().config, dropout=0.3, attention_dropout=0.2)
+    model = Transformer(config, vocab_size=23, pad_id=PAD).eval()
+    bare = copy.deepcopy(model)
+    remove_dropout(bare)
+    assert not any(isinstance(m, torch.nn.Dropout) for m in bare.modules())
+    src, tokens = torch.randint(4, 23, (2, 7)), torch.randint(4, 23, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(bare(src, tokens), model(src, tokens), rtol=0, atol=0)
+        assert not torch.equal(model.train()(src, tokens), bare(src, tokens))  # the model's dropout was live
 
 
 def test_the_translator_batches_by_length_and_returns_in_order_what_each_search_finds():
@@ -313,7 +342,7 @@ def test_fp32_on_cpus_runs_every_product_on_packed_weights_as_the_plain_model(av
     plain = decode.read_transformer(averaged[0]).eval()
     packed = decode.load_translator(averaged[0], torch.device("cpu")).model
     assert isinstance(packed.output, cpu.PackedOutput)
-    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    assert not any(isinstance(m, (torch.nn.Linear, torch.nn.Dropout)) for m in packed.modules())
     layers = [m for stack in (packed.encoder, packed.decoder) for m in stack.modules()
               if isinstance(m, cpu.PackedLinear)]
     # self-attention's fused q, k and v and its output, the feed-forward's two; cross-attention's four

@@ -64,7 +64,7 @@ class DecoderLayer(nn.Module):
         self.cross_block = Residual(c.d_model, c.dropout, pre_norm)
         self.ffn_block = Residual(c.d_model, c.dropout, pre_norm)
 
-    def forward(self, x: Tensor, memory: Tensor, src_pad: Tensor,
+    def forward(self, x: Tensor, memory: Tensor, src_pad: Tensor | None,
                 cache: tuple[KVCache, KVCache] | None = None) -> Tensor:
         """x (N, T, D); with a cache, its self-attention's and its attention to the source's keys and values."""
         self_cache, cross_cache = cache if cache is not None else (None, None)

@@ -85,11 +85,12 @@ class Transformer(nn.Module):
         x = self.encoder_norm(x)
         return (x if packing is None else packing.unpack(x)), src_pad
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor,
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor | None,
                cache: Sequence[tuple[KVCache, KVCache]] | None = None, offset: int = 0) -> Tensor:
-        """tgt_in (N, T) -> logits (N, T, vocab); N may be beams x B (see MultiHeadAttention). With a
-        cache (each layer's self-attention's and attention to the source's), tgt_in holds only the
-        positions from `offset` on, and keys and values of earlier positions come from the cache."""
+        """tgt_in (N, T) -> logits (N, T, vocab); N may be beams x B (see MultiHeadAttention); src_pad
+        None: no source position is padding. With a cache (each layer's self-attention's and attention to
+        the source's), tgt_in holds only the positions from `offset` on, and keys and values of earlier
+        positions come from the cache."""
         x = self._embed(tgt_in, offset)
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory, src_pad, cache[i] if cache is not None else None)

@@ -29,7 +29,10 @@ class ModelSteps:
 
     def __init__(self, model: Transformer, src: Tensor, use_cache: bool = True, never: tuple[int, ...] = ()) -> None:
         self.model = model
-        self.memory, self.src_pad = model.encode(src, unpadded=True)  # (B, S, d_model), (B, S)
+        self.memory, src_pad = model.encode(src, unpadded=True)  # (B, S, d_model), (B, S)
+        # No mask where no source is padded (one sentence, or sentences of one length): each step's attention
+        # to the source then runs without one (`python -m bench.cpu_decoding`: attention, without a mask).
+        self.src_pad: Tensor | None = src_pad if bool(src_pad.any()) else None
         self.cache = DecoderCache(len(model.decoder)) if use_cache else None
         self.never = torch.tensor(sorted({model.pad_id, *never}), device=src.device)
 
@@ -49,7 +52,8 @@ class ModelSteps:
         rows `sentences` when some left the batch."""
         if sentences is not None:
             self.memory = self.memory.index_select(0, sentences)
-            self.src_pad = self.src_pad.index_select(0, sentences)
+            if self.src_pad is not None:
+                self.src_pad = self.src_pad.index_select(0, sentences)
         if self.cache is not None:
             self.cache.reorder(order, sentences)
 
