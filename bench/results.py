@@ -1,9 +1,10 @@
 """Bench results as files, and docs/performance.md rendered from them, so the page cannot go stale.
 
 Each bench run ends by `record(...)`: a JSON file in bench/results/ holding its figures with the
-command that produced them, the machine (CPU or GPU model, cores), torch's version, the commit, the
-date, and the share of the run's CPU time the hypervisor gave other guests (steal: a shared VM's
-noise, which no ratio within the run cancels if it came in bursts). One file per bench, case and
+command that produced them, the machine (CPU or GPU model, cores), torch's version, the commit (and
+whether the code had uncommitted changes), the date, and the share of the run's CPU time the
+hypervisor gave other guests (steal: a shared VM's noise, which no ratio within the run cancels if it
+came in bursts). One file per bench, case and
 machine: a rerun replaces the figure it remeasures (git keeps the old one). `python -m bench.results`
 renders the page from every file; `--check` fails when the page differs from what the files render (a
 test runs it).
@@ -73,12 +74,19 @@ def stolen_share(start: tuple[int, int] | None, end: tuple[int, int] | None) -> 
     return (end[0] - start[0]) / (end[1] - start[1])
 
 
-def _commit() -> str:
+def _commit(root: Path = ROOT) -> str:
+    """HEAD, with " and uncommitted changes" when a tracked file other than the results and their page
+    differs from it: a figure then comes from code that no commit holds."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        head = git("rev-parse", "--short=10", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                      f":(exclude){RESULTS.relative_to(ROOT)}", f":(exclude){PAGE.relative_to(ROOT)}")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{head} and uncommitted changes" if changed else head
 
 
 def _slug(text: str) -> str:

@@ -10,6 +10,7 @@ import importlib
 import io
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,7 +35,29 @@ def test_a_recorded_result_names_its_command_machine_commit_and_date_and_renders
     page = results.render(tmp_path)
     assert "python -m bench.demo --limit 3" in page and "ours / peer: 2.00x" in page
     assert "| ours | 1,234 |" in page and "| peer | 61.25 |" in page
-    assert re.search(r"commit \w+; \d{4}-\d{2}-\d{2}", page) and path.name.startswith("demo--two-rows--")
+    assert re.search(r"commit \w+( and uncommitted changes)?; \d{4}-\d{2}-\d{2}", page)
+    assert path.name.startswith("demo--two-rows--")
+
+
+def test_a_result_from_code_no_commit_holds_says_so_but_not_for_results_alone(tmp_path):
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    for path in ("stages/train.py", "bench/results/a.json", "docs/performance.md"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("1\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "x")
+    head = results._commit(tmp_path)
+    assert re.fullmatch(r"[0-9a-f]{10}", head)
+    (tmp_path / "bench/results/a.json").write_text("2\n")  # a bench's own output, and the page rendered from it
+    (tmp_path / "docs/performance.md").write_text("2\n")
+    (tmp_path / "notes.txt").write_text("untracked\n")
+    assert results._commit(tmp_path) == head
+    (tmp_path / "stages/train.py").write_text("2\n")
+    assert results._commit(tmp_path) == f"{head} and uncommitted changes"
 
 
 def test_a_result_gives_the_cpu_time_the_host_took_and_warns_when_it_passes_two_percent(tmp_path, monkeypatch,
