@@ -81,7 +81,7 @@ class PackedOutput(nn.Module):
 
 
 # Rows up to which fbgemm's fp16 product beats oneDNN's fp32 one on the same weights: a step of one or
-# two sentences' beams, bound by reading the weights (`python -m bench.cpu_decoding`: linear layers).
+# two sentences' beams, where a product has little arithmetic (`python -m bench.cpu_decoding`: linear layers).
 FEW_ROWS = 8
 
 
@@ -141,7 +141,7 @@ def fused_attention_is_faster(queries: int, per_matrix: int, keys: int, masked: 
     where each row has its own keys; the beams in attention to the source, which they share), `masked`
     if some keys are padding. The fused kernel's one call wins at few queries; the products win above,
     except in self-attention against fewer than 8 keys, which MKL's batched product runs slowly. With
-    a padding mask (attention to a batch of sources of several lengths) the fused kernel takes 1.15-1.65x
+    a padding mask (attention to a batch of sources of several lengths) the fused kernel takes 1.15-2.4x
     its time without one, and the products win from two sentences' beams up (`python -m
     bench.cpu_decoding`: attention)."""
     return not masked and (queries <= 128 or (per_matrix == 1 and keys < 8))
