@@ -138,7 +138,7 @@ def attention_kernels(d_model: int, heads: int, rows: list[int], keys: list[int]
     """A decoding step's attention, scaled_dot_product_attention against two batched products:
     self-attention (one query per matrix, each row its own keys) and attention to the source (a
     sentence's beams against its keys, the last two padding), and which of the two the CPU backend takes;
-    for attention to the source, also the time of what it takes without a padding mask (no source padded)."""
+    for attention to the source, also the time of that one without a padding mask (no source padded)."""
     torch.manual_seed(0)
     d = d_model // heads
     sdpa = MultiHeadAttention(d_model, heads, d, d, 0.0).eval()
@@ -156,20 +156,18 @@ def attention_kernels(d_model: int, heads: int, rows: list[int], keys: list[int]
                 products = _best(lambda: cpu.attend_by_products(q, k, v, mask), repeats)
                 fused = _best(lambda: sdpa.attend(q, k, v, mask, causal=False), repeats)
                 error = float((cpu.attend_by_products(q, k, v, mask) - sdpa.attend(q, k, v, mask, False)).abs().max())
-                pick = cpu.fused_attention_is_faster(q.numel() // d, q.size(2), t, mask is not None)
+                pick = cpu.fused_attention_is_faster(q.numel() // d, q.size(2), t)
                 row = {"d_model, heads": f"{d_model}, {heads}", "rows": n, "keys": t, "attention": name,
                        "products (us)": round(products * 1e6), "fused (us)": round(fused * 1e6),
                        "products / fused": f"{products / fused:.2f}x", "taken": "fused" if pick else "products",
                        "without a mask (us)": ""}  # self-attention while decoding has none
                 unmasked = ""
-                if mask is not None:  # where no source is padded there is no mask (ModelSteps): what it takes then
+                if mask is not None:  # where no source is padded there is no mask (ModelSteps)
                     taken = fused if pick else products
-                    bare_pick = cpu.fused_attention_is_faster(q.numel() // d, q.size(2), t, False)
-                    bare = _best(lambda: sdpa.attend(q, k, v, None, False) if bare_pick else
+                    bare = _best(lambda: sdpa.attend(q, k, v, None, False) if pick else
                                  cpu.attend_by_products(q, k, v, None), repeats)
                     row["without a mask (us)"] = round(bare * 1e6)
-                    unmasked = (f", without a mask {'fused' if bare_pick else 'products'} {bare * 1e6:.0f} us "
-                                f"({taken / bare:.2f}x)")
+                    unmasked = f", taken without a mask {bare * 1e6:.0f} us ({taken / bare:.2f}x)"
                 cells.append(f"{name}: products {products * 1e6:6.0f} us, fused {fused * 1e6:6.0f} us "
                              f"({products / fused:.2f}x, takes {'fused' if pick else 'products'}; "
                              f"difference {error:.0e}){unmasked}")

@@ -135,16 +135,14 @@ class Int8Linear(nn.Module):
         return torch.ops.quantized.linear_dynamic(x, self.packed, True)
 
 
-def fused_attention_is_faster(queries: int, per_matrix: int, keys: int, masked: bool) -> bool:
+def fused_attention_is_faster(queries: int, per_matrix: int, keys: int) -> bool:
     """Whether a decoding step attends faster with the fused kernel than with two batched products:
     `queries` in all (rows x heads), `per_matrix` of them to each set of `keys` (1 in self-attention,
-    where each row has its own keys; the beams in attention to the source, which they share), `masked`
-    if some keys are padding. The fused kernel's one call wins at few queries; the products win above,
-    except in self-attention against fewer than 8 keys, which MKL's batched product runs slowly. With
-    a padding mask (attention to a batch of sources of several lengths) the fused kernel takes 1.15-2.4x
-    its time without one, and the products win from two sentences' beams up (`python -m
-    bench.cpu_decoding`: attention)."""
-    return not masked and (queries <= 128 or (per_matrix == 1 and keys < 8))
+    where each row has its own keys; the beams in attention to the source, which they share). The
+    fused kernel's one call wins at few queries; the products win above, except in self-attention
+    against fewer than 8 keys, which MKL's batched product runs slowly (`python -m bench.cpu_decoding`:
+    attention)."""
+    return queries <= 128 or (per_matrix == 1 and keys < 8)
 
 
 def attend_by_products(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
@@ -160,8 +158,7 @@ class DecodingAttention(MultiHeadAttention):
     batched products (attend_by_products) instead of scaled_dot_product_attention."""
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool) -> Tensor:
-        if causal or self.training or fused_attention_is_faster(q.numel() // q.size(-1), q.size(2), k.size(2),
-                                                                 key_padding_mask is not None):
+        if causal or self.training or fused_attention_is_faster(q.numel() // q.size(-1), q.size(2), k.size(2)):
             return super().attend(q, k, v, key_padding_mask, causal)
         return attend_by_products(q, k, v, key_padding_mask)
 
