@@ -24,11 +24,11 @@ in turn (best of --repeats), with the ratio and the largest difference of their 
 With a model, six translators of it, each with one transform more than the one before, translate the
 first --limit lines of --source in one process, alternating for --rounds rounds: plain (the model as
 trained), + dropout layers as identities (remove_dropout), + self-attention's q, k and v in one product
-(fuse_self_attention), + decoding's attention
-(DecodingAttention), + PackedOutput, + PackedLinear (every linear layer, the ReLU fused: the CPU
-backend's whole fp32 set, as the decode stage runs it). All search with best_candidates. It prints the
-medians (and each one's range over the rounds, as machines drift), each transform's own ratio and how
-many lines all six translate the same (they should all be)."""
+(fuse_self_attention), + decoding's attention (DecodingAttention), + PackedOutput, + PackedLinear
+(every linear layer, the ReLU fused: the CPU backend's whole fp32 set, as the decode stage runs it).
+All search with best_candidates. It prints the medians (and each one's range over the rounds, as
+machines drift), each transform's own ratio and how many lines all six translate the same (they should
+all be)."""
 from __future__ import annotations
 
 import argparse

@@ -4,10 +4,9 @@ Each bench run ends by `record(...)`: a JSON file in bench/results/ holding its 
 command that produced them, the machine (CPU or GPU model, cores), torch's version, the commit (and
 whether the code had uncommitted changes), the date, and the share of the run's CPU time the
 hypervisor gave other guests (steal: a shared VM's noise, which no ratio within the run cancels if it
-came in bursts). One file per bench, case and
-machine: a rerun replaces the figure it remeasures (git keeps the old one). `python -m bench.results`
-renders the page from every file; `--check` fails when the page differs from what the files render (a
-test runs it).
+came in bursts). One file per bench, case and machine: a rerun replaces the figure it remeasures
+(git keeps the old one). `python -m bench.results` renders the page from every file; `--check` fails
+when the page differs from what the files render (a test runs it).
 """
 from __future__ import annotations
 

@@ -151,7 +151,6 @@ def test_fused_self_attention_projections_compute_what_the_three_did(head_sizes)
 
 
 
-
 def test_a_batch_without_padding_is_decoded_without_a_mask_to_the_same_log_probabilities():
     model = tiny_model(seed=13)
     src = torch.randint(4, 23, (3, 6))  # no padding
