@@ -6,6 +6,7 @@ MarianMT `generate` and in CTranslate2, in one run.
     python -m bench.decode --model M --vocab-dir V --source S --peers ctranslate2   # ours and CTranslate2 only
     python -m bench.decode --model M --vocab-dir V --source S --batch-tokens 4000,16000   # and each at its fastest
     python -m bench.decode --model M --vocab-dir V --source S --limit 1 --repeats 20   # one sentence, as served
+    python -m bench.decode --model M --vocab-dir V --source S --batch-tokens 1 --threads 1   # one-thread workers
     python -m bench.decode --train-base multi30k:750 --work W --limit 500   # base size, trained here first: see below
 
 The model is exported with the export stage (so all three hold identical weights), then each system,
@@ -117,6 +118,9 @@ def main() -> None:
     ap.add_argument("--peers", type=lambda text: tuple(text.split(",")), default=tuple(PEERS),
                     help=f"comma-separated, of {', '.join(PEERS)}: the systems to run beside ours (a long "
                          "transformers run between ours and CTranslate2's leaves time for the machine to drift)")
+    ap.add_argument("--threads", type=int, help="threads each system decodes with: torch's and CTranslate2's "
+                    "intra-op threads (default: torch's own count, every core); a server of many one-thread "
+                    "workers is --threads 1")
     ap.add_argument("--train-base", type=_plan, metavar="CORPUS:STEPS[,...]",
                     help=f"train Transformer base first, on each corpus ({', '.join(sorted(CORPORA))}) in turn "
                          "for its steps, e.g. multi30k:750,europarl:300")
@@ -131,6 +135,10 @@ def main() -> None:
         ap.error(f"--peers: unknown {', '.join(sorted(unknown))} (known: {', '.join(PEERS)})")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, not {args.repeats}")
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads must be at least 1, not {args.threads}")
+        torch.set_num_threads(args.threads)  # each system's worker takes this count (bench/peers.py: Setup)
     if args.work and args.train_base is None:
         ap.error("--work is where --train-base keeps its model: give --train-base too")
     if args.train_precision and args.train_base is None:
@@ -161,8 +169,9 @@ def main() -> None:
         print(f"{system}: not measured ({why})")
     rows, summary = table(results, references)
     model = f"base trained {args.train_base_text}" if args.train_base else args.model.name
-    record("decode", f"{model} {args.source.name} {len(lines)} {','.join(args.precisions)}",
-           f"Beam search, {model}: {len(lines)} sentences of {args.source.name}, beam {args.beam}", rows,
+    threads = "" if args.threads is None else f", {args.threads} thread{'s' * (args.threads > 1)}"
+    record("decode", f"{model} {args.source.name} {len(lines)} {','.join(args.precisions)}{threads}",
+           f"Beam search, {model}: {len(lines)} sentences of {args.source.name}, beam {args.beam}{threads}", rows,
            summary + "".join(f"; {system}: not measured ({why})" for system, why in unavailable.items()))
 
 
