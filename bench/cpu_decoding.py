@@ -269,7 +269,8 @@ def main() -> None:
                     "source's), comma-separated")
     ap.add_argument("--decoder-layers", type=int, default=6, help="decoder layers whose linear layers a step runs")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads (default: "
+                    "torch's own count, every core); a record at another count is kept beside the default's")
     ap.add_argument("--model", type=Path, help="a model (.safetensors or .pt) to decode with as well")
     ap.add_argument("--vocab-dir", type=Path)
     ap.add_argument("--source", type=Path)
@@ -299,14 +300,16 @@ def main() -> None:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
-    threads = f"{args.threads} threads, best of {args.repeats}"
+    plural = "s" * (args.threads > 1)
+    threads = f"{args.threads} thread{plural}, best of {args.repeats}"
+    other = "" if args.threads == ap.get_default("threads") else f" {args.threads} thread{plural}"  # in each case
     table = projection(shapes, rows, args.repeats)
-    record("cpu_decoding", f"projection {args.shapes} rows {args.rows}", f"The pre-softmax projection, {threads}",
-           table, "PackedOutput against MKL into a buffer: "
+    record("cpu_decoding", f"projection {args.shapes} rows {args.rows}{other}",
+           f"The pre-softmax projection, {threads}", table, "PackedOutput against MKL into a buffer: "
            f"{_spread([float(r['PackedOutput / MKL'][:-1]) for r in table])}")
     table = [row for d_model, d_ff in layers for row in linear_layers(d_model, d_ff, args.decoder_layers, rows,
                                                                       args.repeats)]
-    record("cpu_decoding", f"linear layers {args.layers} rows {args.rows}", f"A decoding step's linear layers "
+    record("cpu_decoding", f"linear layers {args.layers} rows {args.rows}{other}", f"A decoding step's linear layers "
            f"({args.decoder_layers} decoder layers, weights from memory), {threads}", table, "PackedLinear against "
            f"nn.Linear: {_spread([float(r['PackedLinear / nn.Linear'][:-1]) for r in table])}" + (
                "; fp16 weights against PackedLinear: " + ", ".join(
@@ -315,20 +318,21 @@ def main() -> None:
     table = [row for d_model, _ in layers  # heads of 64, as the paper's
              for row in attention_kernels(d_model, max(d_model // 64, 1), rows, keys, args.repeats)]
     chosen = [float(r["products / fused"][:-1]) ** (1 if r["taken"] == "fused" else -1) for r in table]
-    record("cpu_decoding", f"attention {args.layers} rows {args.rows} keys {args.keys}", "Decoding's attention: "
+    record("cpu_decoding", f"attention {args.layers} rows {args.rows} keys {args.keys}{other}", "Decoding's attention: "
            f"the fused kernel against two batched products, {threads}", table,
            f"the kernel fused_attention_is_faster takes, against the other: {_spread(chosen)}")
     table = selection(sorted({vocab_size for _, vocab_size in shapes}), sentences, args.repeats)
-    record("cpu_decoding", f"selection {args.shapes} sentences {args.sentences}", "Choosing each sentence's best "
-           f"2K extensions, {threads}", table, "best_candidates against a full top-k: "
+    record("cpu_decoding", f"selection {args.shapes} sentences {args.sentences}{other}",
+           f"Choosing each sentence's best 2K extensions, {threads}", table, "best_candidates against a full top-k: "
            f"{_spread([float(r['top-k / best_candidates'][:-1]) for r in table])}")
     if args.model:
         try:
             table = decoding(args.model, args.vocab_dir, args.source, args.limit, args.rounds, args.batch_tokens)
         except PipelineError as e:
             raise SystemExit(f"error: {e}") from None
-        record("cpu_decoding", f"decoding {args.model.name} {args.limit} lines {args.batch_tokens}", "Decoding "
-               f"{args.limit} lines of {args.source.name}, each CPU transform added in turn, {args.threads} threads",
+        record("cpu_decoding", f"decoding {args.model.name} {args.limit} lines {args.batch_tokens}{other}",
+               f"Decoding {args.limit} lines of {args.source.name}, each CPU transform added in turn, "
+               f"{args.threads} thread{plural}",
                table, f"the CPU backend against the plain model: {table[-1]['plain / this']}")
 
 
