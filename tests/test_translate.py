@@ -6,6 +6,8 @@ import copy
 import dataclasses
 import gc
 import math
+import threading
+import time
 import typing
 
 import pytest
@@ -197,6 +199,37 @@ def test_the_translator_batches_by_length_and_returns_in_order_what_each_search_
             assert got == alone[0][0].tokens
     assert Translator(copy.deepcopy(model), "cpu", bos_id=BOS, eos_id=EOS).translate_batch(
         [[5] * 70], max_length_extra=1)[0] is not None  # longer than the positions (64): cut, not an error
+
+
+def test_threads_translating_at_once_take_turns_and_each_gets_its_own_translations():
+    # A server's request threads share one Translator, whose CPU model keeps state within a step
+    # (FusedProjections' parts): two searches at once gave one request another's projections.
+    translator = Translator(tiny_model(seed=5), "cpu", bos_id=BOS, eos_id=EOS)
+    requests = [[[5, 6, 7]], [[8] * 6, [9, 4]], [[6] * 5], [[4, 7, 9, 5]]]
+    alone = [translator.translate_batch(sources, beam_size=3, max_length_extra=4) for sources in requests]
+    decode_step, inside, most = translator.model.decode, [0], [0]
+
+    def slow_step(*args, **kwargs):  # long enough that threads not taking turns would overlap here
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.002)
+        inside[0] -= 1
+        return decode_step(*args, **kwargs)
+
+    translator.model.decode = slow_step
+    was = gc.isenabled()
+    found = [None] * len(requests)
+
+    def serve(i):
+        found[i] = translator.translate_batch(requests[i], beam_size=3, max_length_extra=4)
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most[0] == 1 and found == alone
+    assert gc.isenabled() is was  # each call restored the collector before the next turned it off
 
 
 def test_precisions_the_loader_takes_are_the_translators():

@@ -4,6 +4,7 @@ cuda.py), which transforms the model from outside and picks its kernels; the mod
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -109,7 +110,12 @@ def default_backend(device: torch.device, precision: str) -> Backend:
 
 class Translator:
     """A trained model made ready to translate on `device` in `precision`, by the backend of those
-    (or another given). It takes the model over: the backend's transforms change it in place."""
+    (or another given). It takes the model over: the backend's transforms change it in place.
+
+    Calls from several threads (a server's request threads) take turns, one batch search at a time:
+    the transformed model keeps state from call to call within a step (FusedProjections' parts, the
+    logits PackedOutput writes into a kept buffer), and each call turns the cycle collector off and
+    back as it found it. Each call already has every intra-op thread; more at once would only share them."""
 
     def __init__(self, model: Transformer, device: torch.device | str, precision: str = "fp32", *,
                  bos_id: int, eos_id: int, backend: Backend | None = None) -> None:
@@ -118,6 +124,7 @@ class Translator:
         self.select = (backend or default_backend(device, precision))(model)
         self.model, self.device, self.precision = model, device, precision
         self.bos_id, self.eos_id = bos_id, eos_id
+        self._turn = threading.Lock()
 
     @property
     def max_input_length(self) -> int:
@@ -139,7 +146,7 @@ class Translator:
         todo = [i for i, ids in enumerate(sources) if ids]
         if progress is not None and len(todo) < len(sources):
             progress(len(sources) - len(todo))
-        with no_cycle_collection():
+        with self._turn, no_cycle_collection():
             for batch_of_todo in length_batches([len(sources[i]) for i in todo], batch_tokens):
                 indices = [todo[j] for j in batch_of_todo]
                 batch = [torch.tensor(sources[i] + [self.eos_id], device="cpu") for i in indices]
