@@ -135,6 +135,7 @@ def main() -> None:
         ap.error(f"--peers: unknown {', '.join(sorted(unknown))} (known: {', '.join(PEERS)})")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, not {args.repeats}")
+    every_core = torch.get_num_threads()
     if args.threads is not None:
         if args.threads < 1:
             ap.error(f"--threads must be at least 1, not {args.threads}")
@@ -169,7 +170,8 @@ def main() -> None:
         print(f"{system}: not measured ({why})")
     rows, summary = table(results, references)
     model = f"base trained {args.train_base_text}" if args.train_base else args.model.name
-    threads = "" if args.threads is None else f", {args.threads} thread{'s' * (args.threads > 1)}"
+    threads = ("" if args.threads in (None, every_core)  # another count's record is kept beside the default's
+               else f", {args.threads} thread{'s' * (args.threads > 1)}")
     record("decode", f"{model} {args.source.name} {len(lines)} {','.join(args.precisions)}{threads}",
            f"Beam search, {model}: {len(lines)} sentences of {args.source.name}, beam {args.beam}{threads}", rows,
            summary + "".join(f"; {system}: not measured ({why})" for system, why in unavailable.items()))
