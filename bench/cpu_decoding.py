@@ -21,14 +21,13 @@ in turn (best of --repeats), with the ratio and the largest difference of their 
   log-probabilities: best_candidates (the best chunks first) against a full top-k.
 --threads 1 shows what a second thread gives each.
 
-With a model, six translators of it, each with one transform more than the one before, translate the
+With a model, five translators of it, each with one transform more than the one before, translate the
 first --limit lines of --source in one process, alternating for --rounds rounds: plain (the model as
-trained), + dropout layers as identities (remove_dropout), + self-attention's q, k and v in one product
-(fuse_self_attention), + decoding's attention (DecodingAttention), + PackedOutput, + PackedLinear
-(every linear layer, the ReLU fused: the CPU backend's whole fp32 set, as the decode stage runs it).
-All search with best_candidates. It prints the medians (and each one's range over the rounds, as
-machines drift), each transform's own ratio and how many lines all six translate the same (they should
-all be)."""
+trained), + self-attention's q, k and v in one product (fuse_self_attention), + decoding's attention
+(DecodingAttention), + PackedOutput, + PackedLinear (every linear layer, the ReLU fused: the CPU
+backend's whole fp32 set, as the decode stage runs it). All search with best_candidates and step with
+translate/step.py. It prints the medians (and each one's range over the rounds, as machines drift),
+each transform's own ratio and how many lines all five translate the same (they should all be)."""
 from __future__ import annotations
 
 import argparse
@@ -49,7 +48,7 @@ from stages.params import DecodeParams
 from translate import cpu
 from translate.translator import Translator
 from translate.beam_search import top_k
-from translate.transforms import fuse_self_attention, remove_dropout
+from translate.transforms import fuse_self_attention
 from transformer.attention import MultiHeadAttention
 from transformer.model import Transformer
 
@@ -202,7 +201,7 @@ def selection(vocab_sizes: list[int], sentences: list[int], repeats: int, beams:
 
 
 # The CPU backend's fp32 transforms in the order it applies them; each translator takes one more.
-TRANSFORMS = (("+ no dropout layers", remove_dropout), ("+ fused q, k, v", fuse_self_attention),
+TRANSFORMS = (("+ fused q, k, v", fuse_self_attention),
               ("+ decoding's attention", cpu.attend_for_decoding), ("+ PackedOutput", cpu.pack_output),
               ("+ PackedLinear", cpu.pack_linear_layers))
 VARIANTS = {"plain": (), **{name: tuple(t for _, t in TRANSFORMS[: i + 1]) for i, (name, _) in enumerate(TRANSFORMS)}}

@@ -1,9 +1,7 @@
 """Multi-head scaled dot-product attention (paper section 3.2)."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -32,17 +30,6 @@ class Packing:
         """(n, ...) -> (B, S, ...), zeros at padding."""
         out = x.new_zeros(self.batch * self.length, *x.shape[1:])
         return out.index_copy_(0, self.index, x).view(self.batch, self.length, *x.shape[1:])
-
-
-class KVCache(Protocol):
-    """One attention module's keys and values from earlier calls, kept while decoding one position at
-    a time; the kinds (the source's, computed once; the target's, one position longer each call) live
-    with the decoder that keeps them."""
-
-    def keys_values(self, project: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        """All keys and values to attend to, each (B, n_heads, T, d_k or d_v); `project` computes this
-        call's own from its memory, if the cache needs them."""
-        ...
 
 
 class MultiHeadAttention(nn.Module):
@@ -77,7 +64,6 @@ class MultiHeadAttention(nn.Module):
         *,
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
-        cache: KVCache | None = None,
         packing: Packing | None = None,
     ) -> Tensor:
         """Attend from `query` (N, Tq, D) to `memory` (B, Tk, D), N = beams x B: rows b x beams ..
@@ -85,27 +71,19 @@ class MultiHeadAttention(nn.Module):
 
         key_padding_mask: (B, Tk), True where the key is padding and must get no weight.
         causal: each query position sees only keys at or before it (decoder self-attention).
-        cache: keys and values of earlier calls (decoding one position at a time, where the new
-        queries may see every key so far: no causal mask then).
-        packing: query and memory are the same tokens without padding, (n, D) (self-attention
-        without a cache); the result is (n, D) too.
+        packing: query and memory are the same tokens without padding, (n, D) (the encoder's
+        self-attention); the result is (n, D) too.
         """
-        q = self.q_proj(query)
-
-        def project() -> tuple[Tensor, Tensor]:
-            return self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))
-
+        q, k, v = self.q_proj(query), self.k_proj(memory), self.v_proj(memory)
         if packing is not None:
-            q, k, v = (self._heads(packing.unpack(x)) for x in (q, self.k_proj(memory), self.v_proj(memory)))
-        else:
-            q = self._heads(q)  # (N, n_heads, Tq, d_k)
-            k, v = project() if cache is None else cache.keys_values(project)  # (B, n_heads, Tk, d)
+            q, k, v = (packing.unpack(x) for x in (q, k, v))
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)  # (N or B, n_heads, T, d)
         n, _, tq, _ = q.shape
         b = k.size(0)
         beams = n // b
         if beams > 1:  # the beams of a sentence ask one source together: (B, n_heads, beams * Tq, d_k)
             q = q.view(b, beams, self.n_heads, tq, -1).transpose(1, 2).reshape(b, self.n_heads, beams * tq, -1)
-        y = self.attend(q, k, v, key_padding_mask, causal=causal and cache is None)  # (B, n_heads, beams * Tq, d_v)
+        y = self.attend(q, k, v, key_padding_mask, causal)  # (B, n_heads, beams * Tq, d_v)
         y = y.view(b, self.n_heads, beams, tq, self.d_v).permute(0, 2, 3, 1, 4)  # (B, beams, Tq, n_heads, d_v)
         y = y.reshape(n, tq, self.n_heads * self.d_v)
         return self.out_proj(y if packing is None else packing.pack(y))

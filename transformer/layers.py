@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from transformer.attention import KVCache, MultiHeadAttention, Packing
+from transformer.attention import MultiHeadAttention, Packing
 from transformer.config import TransformerConfig
 
 
@@ -64,10 +64,8 @@ class DecoderLayer(nn.Module):
         self.cross_block = Residual(c.d_model, c.dropout, pre_norm)
         self.ffn_block = Residual(c.d_model, c.dropout, pre_norm)
 
-    def forward(self, x: Tensor, memory: Tensor, src_pad: Tensor | None,
-                cache: tuple[KVCache, KVCache] | None = None) -> Tensor:
-        """x (N, T, D); with a cache, its self-attention's and its attention to the source's keys and values."""
-        self_cache, cross_cache = cache if cache is not None else (None, None)
-        x = self.self_block(x, lambda h: self.self_attn(h, h, causal=True, cache=self_cache))
-        x = self.cross_block(x, lambda h: self.cross_attn(h, memory, key_padding_mask=src_pad, cache=cross_cache))
+    def forward(self, x: Tensor, memory: Tensor, src_pad: Tensor | None) -> Tensor:
+        """x (N, T, D); memory (B, S, D), N = beams x B."""
+        x = self.self_block(x, lambda h: self.self_attn(h, h, causal=True))
+        x = self.cross_block(x, lambda h: self.cross_attn(h, memory, key_padding_mask=src_pad))
         return self.ffn_block(x, self.ffn)

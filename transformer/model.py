@@ -3,13 +3,12 @@ the target and the pre-softmax projection (section 3.4), as the joint vocabulary
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from transformer.attention import KVCache, Packing
+from transformer.attention import Packing
 from transformer.config import TransformerConfig
 from transformer.layers import DecoderLayer, EncoderLayer
 
@@ -61,8 +60,10 @@ class Transformer(nn.Module):
         nn.init.normal_(self.embed.weight, std=self.config.d_model**-0.5)
         nn.init.zeros_(self.embed.weight[self.pad_id])
 
-    def _embed(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        t = tokens.size(1)  # tokens (B, T) -> (B, T, d_model)
+    def embed_positions(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        """The first layer's input: tokens (B, T) at positions offset .. offset + T - 1 -> their embeddings
+        times sqrt(d_model) plus the positions' encodings (sections 3.4, 3.5), (B, T, d_model)."""
+        t = tokens.size(1)
         if offset + t > self.config.max_positions:
             raise ValueError(f"sequence of {offset + t} positions exceeds max_positions {self.config.max_positions}")
         if self.config.positions == "learned":
@@ -76,7 +77,7 @@ class Transformer(nn.Module):
         unpadded: every position-wise product runs on the real tokens only (see Packing), for
         batches of mixed lengths; memory is zero at padding."""
         src_pad = src.eq(self.pad_id)
-        x = self._embed(src)
+        x = self.embed_positions(src)
         packing = Packing.of(src_pad) if unpadded else None
         if packing is not None:
             x = packing.pack(x)  # (n, d_model)
@@ -85,15 +86,12 @@ class Transformer(nn.Module):
         x = self.encoder_norm(x)
         return (x if packing is None else packing.unpack(x)), src_pad
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor | None,
-               cache: Sequence[tuple[KVCache, KVCache]] | None = None, offset: int = 0) -> Tensor:
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor | None) -> Tensor:
         """tgt_in (N, T) -> logits (N, T, vocab); N may be beams x B (see MultiHeadAttention); src_pad
-        None: no source position is padding. With a cache (each layer's self-attention's and attention to
-        the source's), tgt_in holds only the positions from `offset` on, and keys and values of earlier
-        positions come from the cache."""
-        x = self._embed(tgt_in, offset)
-        for i, layer in enumerate(self.decoder):
-            x = layer(x, memory, src_pad, cache[i] if cache is not None else None)
+        None: no source position is padding."""
+        x = self.embed_positions(tgt_in)
+        for layer in self.decoder:
+            x = layer(x, memory, src_pad)
         return self.output(self.decoder_norm(x))
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:

@@ -1,9 +1,7 @@
-"""The decoder's keys and values while it decodes one position at a time (transformer.attention.KVCache):
-each layer's attention to the source computes them once, its self-attention adds one position a step.
-Beam search moves their rows as it chooses beams (fairseq's `reorder_incremental_state`)."""
+"""The decoder's keys and values while it decodes one position at a time (step.py): each layer's attention
+to the source computes them once, its self-attention adds one position a step. Beam search moves their
+rows as it chooses beams (fairseq's `reorder_incremental_state`)."""
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -17,11 +15,9 @@ class SourceKVCache:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
 
-    def keys_values(self, project: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        if self.k is None or self.v is None:
-            k, v = project()  # contiguous, so that each step's products read them without a copy
-            self.k, self.v = k.contiguous(), v.contiguous()
-        return self.k, self.v
+    def fill(self, k: Tensor, v: Tensor) -> None:
+        """Keep the source's keys and values, contiguous, so that each step's products read them without a copy."""
+        self.k, self.v = k.contiguous(), v.contiguous()
 
     def reorder(self, order: Tensor) -> None:
         """Row i becomes old row order[i]."""
@@ -40,8 +36,8 @@ class GrowingKVCache:
         self.v: Tensor | None = None
         self.room: tuple[Tensor, Tensor] | None = None
 
-    def keys_values(self, project: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        k, v = project()  # this step's positions, (N, n_heads, T, d)
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add this step's keys and values, (N, n_heads, T, d); return every position's."""
         if self.k is None or self.v is None:
             self.k, self.v = k, v
         elif self.room is not None and k.size(2) == 1:

@@ -64,13 +64,6 @@ class _Part(nn.Module):
         return self.fused[0].part(self.i, x)
 
 
-def remove_dropout(model: Transformer) -> None:
-    """Every dropout layer as an identity, in place: at inference dropout changes nothing, yet each call
-    still goes through torch's functional dropout and its dispatcher, ten times a step in a 3+3-layer
-    decoder (`python -m bench.cpu_decoding`: decoding, + no dropout layers)."""
-    replace_modules(model, nn.Dropout, lambda _: nn.Identity())
-
-
 def fuse_self_attention(model: Transformer) -> None:
     """Every self-attention's q, k and v projections in one product (FusedProjections), in place; the
     fused weights replace the three. A second call changes nothing."""

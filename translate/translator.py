@@ -15,6 +15,7 @@ from torch.nn.utils.rnn import pad_sequence
 from translate import cpu, cuda
 from translate.beam_search import Select, beam_search, top_k
 from translate.cache import DecoderCache
+from translate.step import DecoderStep
 from transformer.model import Transformer
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")  # int8: CPUs only (cpu.Int8Linear)
@@ -35,17 +36,17 @@ class ModelSteps:
         # to the source then runs without one (`python -m bench.cpu_decoding`: attention, without a mask).
         self.src_pad: Tensor | None = src_pad if bool(src_pad.any()) else None
         self.cache = DecoderCache(len(model.decoder)) if use_cache else None
+        self.decoder_step = DecoderStep(model) if use_cache else None
         self.never = torch.tensor(sorted({model.pad_id, *never}), device=src.device)
 
     def step(self, tokens: Tensor) -> Tensor:
         """tokens (N, t), every prefix so far, N = beams x B -> log-probabilities of the next token (N,
         vocab), in a tensor the next step may overwrite."""
-        if self.cache is None:
+        if self.decoder_step is None or self.cache is None:
             logits = self.model.decode(tokens, self.memory, self.src_pad)[:, -1]
             return torch.log_softmax(logits.float().index_fill_(-1, self.never, float("-inf")), dim=-1)
-        t = tokens.size(1)
-        logits = self.model.decode(tokens[:, -1:], self.memory, self.src_pad, self.cache, offset=t - 1)
-        x = logits[:, 0].float().index_fill_(-1, self.never, float("-inf"))
+        logits = self.decoder_step(tokens[:, -1:], tokens.size(1) - 1, self.memory, self.src_pad, self.cache)
+        x = logits.float().index_fill_(-1, self.never, float("-inf"))
         return torch.log_softmax(x, -1, out=x)  # in place: each row is read whole before it is written
 
     def reorder(self, order: Tensor, sentences: Tensor | None = None) -> None:
