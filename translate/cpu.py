@@ -72,7 +72,7 @@ class PackedOutput(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (..., d_model) -> logits (..., vocab)."""
         shape = (*x.shape[:-1], self.weight.size(0))
-        size = x[..., 0].numel() * self.weight.size(0)
+        size = x.numel() // x.size(-1) * self.weight.size(0)
         if self.packed is not None and size * self.weight.element_size() <= HEAP_BLOCK_LIMIT:
             return self.packed(x)
         if self.buffer is None or self.buffer.numel() < size:
@@ -111,7 +111,7 @@ class HalfWeights(nn.Module):
         return y.relu_() if self.relu else y
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.narrow(x) if x[..., 0].numel() <= FEW_ROWS else self.wide(x)
+        return self.narrow(x) if x.numel() <= FEW_ROWS * x.size(-1) else self.wide(x)
 
 
 class Int8Linear(nn.Module):
