@@ -108,4 +108,3 @@ class DecoderStep:
         for i, layer in enumerate(self.layers):
             x = layer(x, memory, src_pad, cache, i)
         return self.output(self.final_norm(x))[:, 0]
-
