@@ -8,13 +8,17 @@ Both sides run one optimizer step exactly as a training loop does: forward, labe
 cross-entropy summed over target tokens, backward, Adam. Batch shapes come from the pipeline's own
 token batching over the lengths of the shared WMT14 training samples (subword lengths estimated as
 1.3 x words) with random token ids, so the padding is what training sees. The two models are timed
-in alternation, and the figure is target tokens (padding excluded) per second. On CPUs both run with
-glibc's allocator as the train stage sets it (stages/devices.py); `--default-malloc` leaves it as it
-comes, so two runs show what the setting is worth.
+in alternation, and the figure is target tokens (padding excluded) per second. The warm-up steps take
+the timed batches in turn, so with `--warmup` at least `--steps` every timed shape was met before, as
+in training from its second epoch on (an epoch's batches are the next one's). Both run with the train
+stage's settings (stages/devices.py): on CPUs glibc's allocator as it sets it (`--default-malloc`
+leaves it as it comes) and oneDNN keeping the kernels of every shape, and everywhere its attention
+kernels (`--torch-attention` leaves torch's choice), so two runs show what a setting is worth.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import resource
 import statistics
 import time
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 
 from stages import export
 from stages.batching import collate, token_batches
-from stages.devices import default_device, keep_freed_host_memory
+from stages.devices import attention_kernels, default_device, keep_freed_host_memory, keep_generated_kernels
 from stages.train import forward_loss
 from stages.vocab import PAD_ID
 from bench.common import CORPORA, MODELS, model_settings
@@ -90,16 +94,20 @@ def main() -> None:
                     help="then profile this many of ours' steps and print where their time goes")
     ap.add_argument("--default-malloc", action="store_true",
                     help="CPUs: leave glibc's allocator as it comes, not as the train stage sets it")
+    ap.add_argument("--torch-attention", action="store_true",
+                    help="leave scaled_dot_product_attention's kernel to torch, not as the train stage picks it")
     args = ap.parse_args()
 
     device = default_device()
-    if device.type == "cpu" and not args.default_malloc:
-        keep_freed_host_memory()  # as the train stage does: both models' steps run under it
+    if device.type == "cpu":
+        keep_generated_kernels()  # as the train stage does, before any product
+        if not args.default_malloc:
+            keep_freed_host_memory()  # as the train stage does: both models' steps run under it
     torch.manual_seed(0)
     chosen = model_settings(args.preset)
     config, args.vocab_size = chosen.model, args.vocab_size or chosen.vocab.vocab_size
     text = CORPORA["multi30k" if args.preset == "multi30k" else "europarl"]["train"]
-    data = batches(args.batch_tokens, args.vocab_size, args.warmup + args.steps, text)
+    data = batches(args.batch_tokens, args.vocab_size, args.steps, text)
     runs = {}
     for name, build in (("ours", ours), ("MarianMT (transformers)", marian)):
         model, loss_fn = build(config, args.vocab_size)
@@ -110,6 +118,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in runs}
     faults: dict[str, list[int]] = {name: [] for name in runs}  # pages the OS mapped in, zeroed, for the step
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    precision = {"fp32": "no"}.get(args.precision, args.precision)  # as Accelerate names it
 
     def step(name: str, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> tuple[float, int]:
         model, step_fn, optimizer = runs[name]
@@ -127,13 +136,19 @@ def main() -> None:
         return time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - mapped
 
     data = [tuple(x.to(device) for x in batch) for batch in data]
-    for i, batch in enumerate(data):
-        for name in runs:  # alternate, so drift hits both alike
-            seconds, pages = step(name, *batch)
-            if i >= args.warmup:
+    def kernels() -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if args.torch_attention else attention_kernels(device, precision)
+
+    with kernels():
+        for i in range(args.warmup):
+            for name in runs:
+                step(name, *data[i % len(data)])
+        for batch in data:
+            for name in runs:  # alternate, so drift hits both alike
+                seconds, pages = step(name, *batch)
                 times[name].append(seconds)
                 faults[name].append(pages)
-    tokens = sum(int(t.ne(PAD_ID).sum()) for _, _, t in data[args.warmup :])
+    tokens = sum(int(t.ne(PAD_ID).sum()) for _, _, t in data)
     params = {name: sum(p.numel() for p in m.parameters()) for name, (m, _, _) in runs.items()}
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"{args.preset} model, {device.type} ({where}), "
@@ -153,12 +168,13 @@ def main() -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU]) as prof, kernels():
             for batch in data[: args.profile]:
                 step("ours", *batch)
         print(f"Where {args.profile} of ours' steps spend their time (self CPU time, the largest first):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    how = (", compiled" if args.compile else "") + (", default malloc" if args.default_malloc else "")
+    how = ((", compiled" if args.compile else "") + (", default malloc" if args.default_malloc else "")
+           + (", torch's attention" if args.torch_attention else ""))
     record("train", f"{args.preset} {args.precision} {args.batch_tokens}{how}",
            f"Training steps, {args.preset} model, {args.precision}{how}, {args.batch_tokens} tokens a side",
            rows, summary)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 
 import torch
 
@@ -34,17 +35,26 @@ def processes(setting: int | str) -> int:
     return setting
 
 
-def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:
-    """Within it, scaled_dot_product_attention on GPUs leaves cuDNN's fused attention out: it builds a
-    plan (with runtime-generated kernels) for each new (batch, length) shape, and token-bucketed batches
-    padded to their longest pair bring new shapes at nearly every step; the flash and memory-efficient
-    kernels serve every shape without that (`python -m bench.gpu --parts throughput,profile`). A context,
-    not a process-wide switch: whatever else the process runs keeps torch's choice."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
+def attention_kernels(device: torch.device, precision: str = "no") -> contextlib.AbstractContextManager:
+    """Within it, scaled_dot_product_attention runs the kernels measured fastest for training where the
+    step runs (`precision` as Accelerate names it). A context, not a process-wide switch: whatever else
+    the process runs keeps torch's choice.
+
+    - GPUs: cuDNN's fused attention is left out. It builds a plan (with runtime-generated kernels) for
+      each new (batch, length) shape, and token-bucketed batches padded to their longest pair bring new
+      shapes at nearly every step; the flash and memory-efficient kernels serve every shape without
+      that (`python -m bench.gpu --parts throughput,profile`).
+    - CPUs in bf16: the math kernel (two products and a softmax, which torch computes in fp32). The
+      fused CPU kernel's bf16 backward runs several times slower than its fp32 one, and slower than
+      the math kernel (`python -m bench.train --preset multi30k --precision bf16`, against
+      `--torch-attention`). In fp32 torch's choice is the fastest."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    if device.type == "cuda":
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    if precision == "bf16":
+        return sdpa_kernel([SDPBackend.MATH])
+    return contextlib.nullcontext()
 
 
 @functools.cache
@@ -63,10 +73,32 @@ def keep_freed_host_memory() -> None:
         mallopt(m_trim_threshold, 1 << 30)
 
 
+@functools.cache
+def keep_generated_kernels(capacity: int = 16384) -> None:
+    """Training on CPUs: oneDNN keeps the kernels it generates for up to `capacity` product shapes, not
+    its default 1,024. It generates a bf16 product's kernel for the product's exact shape (about 9 ms
+    on AMX, several times the product itself), and exact-shape batches of Multi30k bring about 170
+    shapes an epoch, some 30 products each; an epoch's batches are the next epoch's, so from the
+    second epoch on every kernel is found again (`python -m bench.train --preset multi30k --precision
+    bf16`, whose warm-up meets every timed shape, as training's first epoch does). oneDNN reads the
+    setting when it first generates a kernel: set after that, it changes nothing."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
+
+
+def has_bf16_matrix_units() -> bool:
+    """Whether this CPU multiplies bf16 matrices in tiles of its own (Intel AMX), where a bf16 product
+    runs 4-6 times faster than fp32's; on CPUs without them bf16 trained no faster (docs/multi30k.md)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def mixed_precision(choice: str) -> str:
-    """train.precision as Accelerate names it: auto is bf16 on GPUs that have it, else fp32 ("no")."""
+    """train.precision as Accelerate names it: auto is bf16 on GPUs that have it and on CPUs with bf16
+    matrix units (`python -m bench.train --preset multi30k --precision bf16` against `fp32`), else
+    fp32 ("no")."""
     if choice == "auto":
-        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+        if torch.cuda.is_available():
+            return "bf16" if torch.cuda.is_bf16_supported() else "no"
+        return "bf16" if has_bf16_matrix_units() else "no"
     return {"fp32": "no"}.get(choice, choice)
 
 

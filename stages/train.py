@@ -27,8 +27,8 @@ from accelerate.utils import extract_model_from_parallel, gather_object
 from stages import vocab
 from stages.batching import token_batches
 from stages.checkpoint import Checkpointer, Processes, Schedule, Stateful, recorded_split, setup_dir
-from stages.devices import attention_kernels, default_device, keep_freed_host_memory, mixed_precision, peak_flops, \
-    processes
+from stages.devices import attention_kernels, default_device, keep_freed_host_memory, keep_generated_kernels, \
+    mixed_precision, peak_flops, processes
 from stages.encode import ParallelIds
 from stages.io import InputPath, OutputPath, PipelineError, Stopped, file_digest, require_dir
 from stages.model_files import ModelMeta, read_model
@@ -232,7 +232,7 @@ class Trainer:
             if p.cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             with (contextlib.nullcontext() if last else acc.no_sync(self.model), acc.autocast(),
-                  attention_kernels(acc.device)):
+                  attention_kernels(acc.device, acc.mixed_precision)):
                 loss, nll = self.forward_loss(self.model, src, tgt_in, tgt_out, p.label_smoothing)
                 acc.backward(loss * scale)
             loss_sum, nll_sum = loss_sum + loss.detach(), nll_sum + nll.detach()
@@ -285,7 +285,7 @@ class Trainer:
             src, tgt_in, tgt_out = (x.to(self.acc.device, non_blocking=True) for x in dev.collate(indices))
             if self.params.cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            with self.acc.autocast(), attention_kernels(self.acc.device):
+            with self.acc.autocast(), attention_kernels(self.acc.device, self.acc.mixed_precision):
                 loss, nll = self.forward_loss(self.model, src, tgt_in, tgt_out, self.params.label_smoothing)
             sums += torch.stack([loss.float(), nll.float(), tgt_out.ne(vocab.PAD_ID).sum().float()])
         return sums
@@ -348,6 +348,8 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
     checkpoint, if any), from random weights or from those of `init_weights` (a model or checkpoint of the same
     shape and vocabulary size). Writes checkpoints there and the loss curves <plots_dir>/train.csv and valid.csv."""
     encoded_dir = require_dir(encoded_dir, "encoded data (encode stage output)")
+    if default_device().type == "cpu":
+        keep_generated_kernels()  # before anything else generates one
     acc = accelerator or Accelerator(cpu=default_device().type == "cpu",
                                      mixed_precision=mixed_precision(params.precision))
     if acc.device.type == "cpu":
@@ -355,8 +357,9 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
     init = None if init_weights is None else Path(init_weights)
     identity = run_identity(model_config, params, encoded_dir, Path(vocab_dir), init)
     split = _split(params, acc.num_processes, identity, checkpoint_dir)
-    print(f"process {acc.process_index} of {acc.num_processes} on {acc.device}: {split // acc.num_processes} of the "
-          f"step's {split} micro-batches", flush=True)
+    precision = {"no": "fp32"}.get(acc.mixed_precision, acc.mixed_precision)
+    print(f"process {acc.process_index} of {acc.num_processes} on {acc.device} in {precision}: "
+          f"{split // acc.num_processes} of the step's {split} micro-batches", flush=True)
     trainer = Trainer(model_config, params, encoded_dir=encoded_dir, vocab_dir=Path(vocab_dir), accelerator=acc,
                       init_weights=init, split=split, identity=identity)
     compile_step(trainer)
