@@ -202,6 +202,45 @@ def test_a_trainer_leaves_the_process_as_it_found_it(encoded, vocab_dir):
         trainer.close()
 
 
+def test_auto_precision_is_bf16_on_gpus_that_have_it_and_on_cpus_with_bf16_matrix_units(monkeypatch):
+    from stages import devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for units, expected in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(devices, "has_bf16_matrix_units", lambda units=units: units)
+        assert devices.mixed_precision("auto") == expected
+        assert devices.mixed_precision("fp32") == "no" and devices.mixed_precision("bf16") == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for supported, expected in ((True, "bf16"), (False, "no")):  # a GPU's own support decides, not the CPU's
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda supported=supported: supported)
+        assert devices.mixed_precision("auto") == expected
+
+
+@pytest.mark.skipif(default_device().type != "cpu", reason="the CPU's attention kernels")
+def test_a_bf16_step_on_cpus_takes_the_math_attention_and_follows_fp32s_gradients(encoded, vocab_dir):
+    """The fused CPU kernel's bf16 backward is several times slower than the math kernel's
+    (stages/devices.py: attention_kernels), so a bf16 step must not call it; fp32 keeps it."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from torch.profiler import profile
+
+    grads, kernels = {}, {}
+    try:
+        for precision in ("no", "bf16"):
+            AcceleratorState._reset_state(True)  # one precision a process: this test's, then the others' again
+            trainer = _trainer(encoded[0], vocab_dir, Accelerator(cpu=True, mixed_precision=precision))
+            with profile() as prof:
+                grads[precision] = _gradients(trainer)[0]
+            kernels[precision] = {e.key for e in prof.key_averages() if "scaled_dot_product" in e.key}
+    finally:
+        AcceleratorState._reset_state(True)
+    fused = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert fused in kernels["no"] and fused not in kernels["bf16"], kernels
+    assert "aten::_scaled_dot_product_attention_math" in kernels["bf16"]
+    exact, rounded = (torch.cat([g.flatten() for g in grads[p]]) for p in ("no", "bf16"))
+    assert float((rounded - exact).norm()) <= 0.05 * float(exact.norm())  # bf16 keeps 8 bits of mantissa
+
+
 def test_auto_compiles_the_step_on_gpus_only_and_a_run_resumes_across_the_two(encoded, vocab_dir):
     auto = train_params(compile="auto")
     assert auto.resolved(gpu=True).compile is True and auto.resolved(gpu=False).compile is False
