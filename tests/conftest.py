@@ -66,14 +66,16 @@ def train_params(**changes) -> train.TrainParams:
 
 
 def train_params_file(tmp_path: Path, **overrides) -> Path:
-    """A params.yaml of the quickstart preset for the train stage run as a command, with `overrides`."""
+    """A params.yaml of the quickstart preset for the train stage run as a command, with `overrides`: in fp32,
+    whose rounding the tests' bounds are (auto is bf16 on CPUs with AMX; test_train tests bf16 steps)."""
     from pipeline.config import PARAMS_FILE
     from pipeline.presets import apply_overrides, load_preset
 
     path = tmp_path / "params.yaml"
     path.write_text(PARAMS_FILE.read_text())
     apply_overrides({**load_preset("quickstart"), "train.batch_tokens": 1500, "train.log_every": 5,
-                     "train.validate_every": 1000, "train.checkpoint_every_steps": 5, **overrides}, path)
+                     "train.validate_every": 1000, "train.checkpoint_every_steps": 5, "train.precision": "fp32",
+                     **overrides}, path)
     return path
 
 
