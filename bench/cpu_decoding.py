@@ -21,15 +21,13 @@ in turn (best of --repeats), with the ratio and the largest difference of their 
   log-probabilities: best_candidates (the best chunks first) against a full top-k.
 --threads 1 shows what a second thread gives each.
 
-With a model, five translators of it, each with one transform more than the one before, translate the
+With a model, four translators of it, each with one transform more than the one before, translate the
 first --limit lines of --source in one process, alternating for --rounds rounds: plain (the model as
-trained), + self-attention's q, k and v in one product (fuse_self_attention), + decoding's attention
-(DecodingAttention), + PackedOutput, + PackedLinear (every linear layer, the ReLU fused: the CPU
-backend's whole fp32 set, as the decode stage runs it); a sixth has the whole set but the fused q, k
-and v, whose worth on packed products the order above cannot show. All search with best_candidates and
-step with translate/step.py. It prints the medians (and each one's range over the rounds, as machines
-drift), each one's ratio to the one before and to plain, and how many lines all six translate the same
-(they should all be)."""
+trained), + decoding's attention (DecodingAttention), + PackedOutput, + PackedLinear (every linear
+layer, the ReLU fused: the CPU backend's whole fp32 set, as the decode stage runs it). All search with
+best_candidates and step with translate/step.py. It prints the medians (and each one's range over the
+rounds, as machines drift), each one's ratio to the one before and to plain, and how many lines all
+four translate the same (they should all be)."""
 from __future__ import annotations
 
 import argparse
@@ -50,7 +48,6 @@ from stages.params import DecodeParams
 from translate import cpu
 from translate.translator import Translator
 from translate.beam_search import top_k
-from translate.transforms import fuse_self_attention
 from transformer.attention import MultiHeadAttention
 from transformer.model import Transformer
 
@@ -100,7 +97,7 @@ def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats
     """A decoding step's linear layers in the decoder's order, each weight read once, as a step reads them
     (from memory, not from cache: the products at a few rows are bound by that)."""
     torch.manual_seed(0)
-    per_layer = [(d_model, 3 * d_model), (d_model, d_model),  # self-attention: fused q, k, v; output
+    per_layer = [(d_model, 3 * d_model), (d_model, d_model),  # self-attention: stacked q, k, v; output
                  (d_model, d_model), (d_model, d_model),  # attention to the source: query; output
                  (d_model, d_ff), (d_ff, d_model)]  # feed-forward: the first with a ReLU
     relu = [n_out == d_ff for _, n_out in per_layer] * layers
@@ -203,12 +200,9 @@ def selection(vocab_sizes: list[int], sentences: list[int], repeats: int, beams:
 
 
 # The CPU backend's fp32 transforms in the order it applies them; each translator takes one more.
-TRANSFORMS = (("+ fused q, k, v", fuse_self_attention),
-              ("+ decoding's attention", cpu.attend_for_decoding), ("+ PackedOutput", cpu.pack_output),
+TRANSFORMS = (("+ decoding's attention", cpu.attend_for_decoding), ("+ PackedOutput", cpu.pack_output),
               ("+ PackedLinear", cpu.pack_linear_layers))
-VARIANTS = {"plain": (), **{name: tuple(t for _, t in TRANSFORMS[: i + 1]) for i, (name, _) in enumerate(TRANSFORMS)},
-            # fusing comes before packing (it stacks plain weights), so its worth on packed products shows here
-            "- fused q, k, v": tuple(t for _, t in TRANSFORMS if t is not fuse_self_attention)}
+VARIANTS = {"plain": (), **{name: tuple(t for _, t in TRANSFORMS[: i + 1]) for i, (name, _) in enumerate(TRANSFORMS)}}
 
 
 def _translator(model_path: Path, transforms: tuple[Callable[[Transformer], None], ...]) -> Translator:

@@ -13,12 +13,15 @@ the timed batches in turn, so with `--warmup` at least `--steps` every timed sha
 in training from its second epoch on (an epoch's batches are the next one's). Both run with the train
 stage's settings (stages/devices.py): on CPUs glibc's allocator as it sets it (`--default-malloc`
 leaves it as it comes) and oneDNN keeping the kernels of every shape, and everywhere its attention
-kernels (`--torch-attention` leaves torch's choice), so two runs show what a setting is worth.
+kernels (`--torch-attention` leaves torch's choice), so two runs show what a setting is worth;
+`--separate-projections` also times ours with attention's q, k and v as three products (slices of the
+same weights), in the same alternation.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import resource
 import statistics
 import time
@@ -34,6 +37,7 @@ from stages.train import forward_loss
 from stages.vocab import PAD_ID
 from bench.common import CORPORA, MODELS, model_settings
 from bench.results import record
+from transformer.attention import MultiHeadAttention
 from transformer.config import TransformerConfig
 from transformer.model import Transformer
 
@@ -58,9 +62,25 @@ def batches(batch_tokens: int, vocab_size: int, count: int,
     return [collate(corpus, chosen[i]) for i in np.random.default_rng(0).permutation(len(chosen))[:count]]
 
 
-def ours(config: TransformerConfig, vocab_size: int):
+def separately(attention: MultiHeadAttention, query: torch.Tensor,
+               memory: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MultiHeadAttention.project as three products, one per slice of its stacked weights."""
+    stacked = attention.qkv_proj if memory is None else attention.kv_proj
+    sizes = attention.sizes if memory is None else attention.sizes[1:]
+    parts = [F.linear(query if memory is None else memory, w, b)
+             for w, b in zip(stacked.weight.split(sizes), stacked.bias.split(sizes), strict=True)]
+    return (*parts,) if memory is None else (attention.q_proj(query), *parts)
+
+
+SEPARATE = "ours, q k v apart"
+
+
+def ours(config: TransformerConfig, vocab_size: int, separate_projections: bool = False):
     """The train stage's own micro-batch: its model and loss as one function."""
     model = Transformer(config, vocab_size, PAD_ID)
+    for module in model.modules() if separate_projections else ():
+        if isinstance(module, MultiHeadAttention):
+            module.project = functools.partial(separately, module)
 
     def loss(src, tgt_in, tgt_out):
         return forward_loss(model, src, tgt_in, tgt_out, 0.1)[0]
@@ -96,6 +116,8 @@ def main() -> None:
                     help="CPUs: leave glibc's allocator as it comes, not as the train stage sets it")
     ap.add_argument("--torch-attention", action="store_true",
                     help="leave scaled_dot_product_attention's kernel to torch, not as the train stage picks it")
+    ap.add_argument("--separate-projections", action="store_true",
+                    help="also time ours with attention's q, k and v as three products, not one of the stacked weights")
     args = ap.parse_args()
 
     device = default_device()
@@ -109,8 +131,13 @@ def main() -> None:
     text = CORPORA["multi30k" if args.preset == "multi30k" else "europarl"]["train"]
     data = batches(args.batch_tokens, args.vocab_size, args.steps, text)
     runs = {}
-    for name, build in (("ours", ours), ("MarianMT (transformers)", marian)):
+    builds = [("ours", ours), ("MarianMT (transformers)", marian)]
+    if args.separate_projections:
+        builds.append((SEPARATE, functools.partial(ours, separate_projections=True)))
+    for name, build in builds:
         model, loss_fn = build(config, args.vocab_size)
+        if name == SEPARATE:
+            model.load_state_dict(runs["ours"][0].state_dict())  # the same weights, computed apart
         model.to(device).train()
         step_fn = torch.compile(loss_fn, dynamic=True) if args.compile else loss_fn  # as train.compile does
         runs[name] = (model, step_fn, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
@@ -164,6 +191,8 @@ def main() -> None:
         rows.append({"system": name, "target tokens/s": round(rate[name]), "parameters": params[name],
                      "step time varies": f"{spread:.0%}", "page faults a step": pages})
     summary = f"ours / MarianMT: {rate['ours'] / rate['MarianMT (transformers)']:.2f}x"
+    if SEPARATE in rate:
+        summary += f"; ours / {SEPARATE}: {rate['ours'] / rate[SEPARATE]:.2f}x"
     print(summary)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -174,7 +203,8 @@ def main() -> None:
         print(f"Where {args.profile} of ours' steps spend their time (self CPU time, the largest first):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     how = ((", compiled" if args.compile else "") + (", default malloc" if args.default_malloc else "")
-           + (", torch's attention" if args.torch_attention else ""))
+           + (", torch's attention" if args.torch_attention else "")
+           + (", with q k v apart" if args.separate_projections else ""))
     record("train", f"{args.preset} {args.precision} {args.batch_tokens}{how}",
            f"Training steps, {args.preset} model, {args.precision}{how}, {args.batch_tokens} tokens a side",
            rows, summary)

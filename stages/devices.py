@@ -86,8 +86,9 @@ def keep_generated_kernels(capacity: int = 16384) -> None:
 
 
 def has_bf16_matrix_units() -> bool:
-    """Whether this CPU multiplies bf16 matrices in tiles of its own (Intel AMX), where a bf16 product
-    runs 4-6 times faster than fp32's; on CPUs without them bf16 trained no faster (docs/multi30k.md)."""
+    """Whether this CPU multiplies bf16 matrices in tiles of its own (Intel AMX), where a bf16 training
+    step runs at 1.75x fp32's (`python -m bench.train --preset multi30k --precision bf16`); on CPUs
+    without them bf16 trained no faster (docs/multi30k.md)."""
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 

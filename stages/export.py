@@ -20,25 +20,30 @@ from stages import vocab
 from stages.io import InputPath, OutputPath, PipelineError
 from stages.model_files import read_model
 from transformer.config import TransformerConfig
+from transformer.model import Transformer
 
-# ours -> Marian's names, per encoder / decoder layer
-_ENCODER_LAYER = {"self_attn.{p}_proj": "self_attn.{p}_proj", "attn_block.norm": "self_attn_layer_norm",
+# ours -> Marian's names, per encoder / decoder layer; a stacked projection -> Marian's, one per part
+_ENCODER_LAYER = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                  "self_attn.out_proj": "self_attn.out_proj", "attn_block.norm": "self_attn_layer_norm",
                   "ffn.net.0": "fc1", "ffn.net.2": "fc2", "ffn_block.norm": "final_layer_norm"}
-_DECODER_LAYER = {"self_attn.{p}_proj": "self_attn.{p}_proj", "self_block.norm": "self_attn_layer_norm",
-                  "cross_attn.{p}_proj": "encoder_attn.{p}_proj", "cross_block.norm": "encoder_attn_layer_norm",
-                  "ffn.net.0": "fc1", "ffn.net.2": "fc2", "ffn_block.norm": "final_layer_norm"}
+_DECODER_LAYER = {**{k: v for k, v in _ENCODER_LAYER.items() if k != "attn_block.norm"},
+                  "self_block.norm": "self_attn_layer_norm", "cross_attn.q_proj": "encoder_attn.q_proj",
+                  "cross_attn.kv_proj": ("encoder_attn.k_proj", "encoder_attn.v_proj"),
+                  "cross_attn.out_proj": "encoder_attn.out_proj", "cross_block.norm": "encoder_attn_layer_norm"}
 
 
 def marian_state_dict(weights: dict[str, torch.Tensor], encoder_layers: int,
                       decoder_layers: int) -> dict[str, torch.Tensor]:
+    """Our weights (a Transformer's state dict, d_k = d_v = d_model / n_heads) under Marian's names."""
     out = {"model.shared.weight": weights["embed.weight"]}
     for side, n, table in (("encoder", encoder_layers, _ENCODER_LAYER), ("decoder", decoder_layers, _DECODER_LAYER)):
         for i in range(n):
             for ours, theirs in table.items():
-                for p in ("q", "k", "v", "out") if "{p}" in ours else ("",):
-                    for leaf in ("weight", "bias"):
-                        out[f"model.{side}.layers.{i}.{theirs.format(p=p)}.{leaf}"] = \
-                            weights[f"{side}.{i}.{ours.format(p=p)}.{leaf}"]
+                names = (theirs,) if isinstance(theirs, str) else theirs
+                for leaf in ("weight", "bias"):
+                    parts = weights[f"{side}.{i}.{ours}.{leaf}"].chunk(len(names))  # equal parts: d_k = d_v
+                    for name, part in zip(names, parts, strict=True):
+                        out[f"model.{side}.layers.{i}.{name}.{leaf}"] = part
     return out
 
 
@@ -81,9 +86,11 @@ def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path
     weights, meta = read_model(model_path)
     c = meta.config
     _check_expressible(c)
+    ours = Transformer(c, meta.vocab_size, vocab.PAD_ID)
+    ours.load_state_dict(weights)  # its weights as the model names them, whatever layout the file has
     model = MarianMTModel(marian_config(c, meta.vocab_size))
     missing, unexpected = model.load_state_dict(
-        marian_state_dict(weights, c.encoder_layers, c.decoder_layers), strict=False)
+        marian_state_dict(ours.state_dict(), c.encoder_layers, c.decoder_layers), strict=False)
     # Everything else is tied to the shared embedding, a zero logits bias, or computed positions.
     tied = ("embed_tokens.weight", "lm_head.weight", "embed_positions.weight", "final_logits_bias")
     left = [k for k in missing if not k.endswith(tied)]

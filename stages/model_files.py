@@ -34,7 +34,10 @@ from safetensors.torch import save
 from stages.io import PipelineError, atomic_write, read_json, write_json
 from transformer.config import TransformerConfig
 
-CHECKPOINT_FORMAT = "transformer-pipeline/checkpoint/2"
+# Format 3: attention's projections stacked (q, k and v in one weight, transformer/attention.py), as the
+# optimizer's moments are too; an averaged model (.safetensors) of separate projections still loads.
+_FORMATS = "transformer-pipeline/checkpoint/"
+CHECKPOINT_FORMAT = _FORMATS + "3"
 _FILE_NAME = re.compile(r"^(checkpoint|snapshot)-(\d+)\.pt$")
 _UNFINISHED = re.compile(r"^\.(checkpoint|snapshot)-\d+\.pt\..+\.tmp$")  # atomic_write's, cut short
 Weights = dict[str, torch.Tensor]
@@ -133,7 +136,12 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to unpickle means: not a checkpoint of ours
         raise PipelineError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+    found = state.get("format") if isinstance(state, dict) else None
+    if isinstance(found, str) and found.startswith(_FORMATS) and found != CHECKPOINT_FORMAT:
+        raise PipelineError(f"{path}: a checkpoint of format {found}, from another version of the train stage; "
+                            f"this one resumes and averages {CHECKPOINT_FORMAT}: finish that run with the code "
+                            f"that wrote it")
+    if found != CHECKPOINT_FORMAT:
         raise PipelineError(f"{path}: not a checkpoint written by this pipeline's train stage "
                             f"(format {CHECKPOINT_FORMAT})")
     try:

@@ -45,6 +45,16 @@ def tiny_model(seed: int = 0, norm: str = "post", positions: str = "sinusoidal")
     return model
 
 
+def without_key_biases(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """A model weight with attention's key biases left out (d_k = d_v), as runs on other topologies are
+    compared: their gradient is 0 (softmax ignores a shift common to all keys), so they hold rounding
+    noise that Adam scales up to full-size steps."""
+    if name.endswith("qkv_proj.bias"):
+        q, _, v = weight.chunk(3)
+        return torch.cat([q, v])
+    return weight.chunk(2)[1] if name.endswith("kv_proj.bias") else weight
+
+
 def wait_for(condition, timeout: float, what: str):
     """Poll `condition` until it gives something true (returned), or fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout

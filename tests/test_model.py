@@ -79,6 +79,64 @@ def test_the_state_dict_holds_the_shared_matrix_once_and_loads_back_tied():
         torch.testing.assert_close(other(src, tgt), model(src, tgt), rtol=0, atol=0)
 
 
+def _torch_attention(ours, d_model: int) -> torch.nn.MultiheadAttention:
+    """torch's own multi-head attention with our module's weights: its in_proj stacks q, k and v too."""
+    theirs = torch.nn.MultiheadAttention(d_model, ours.n_heads, batch_first=True).eval()
+    stacked = [ours.qkv_proj] if ours.self_attention else [ours.q_proj, ours.kv_proj]
+    with torch.no_grad():
+        theirs.in_proj_weight.copy_(torch.cat([m.weight for m in stacked]))
+        theirs.in_proj_bias.copy_(torch.cat([m.bias for m in stacked]))
+        theirs.out_proj.weight.copy_(ours.out_proj.weight)
+        theirs.out_proj.bias.copy_(ours.out_proj.bias)
+    return theirs
+
+
+def test_attention_computes_what_torchs_multihead_attention_does_with_the_same_weights():
+    model = tiny_model(seed=4)
+    x, memory = torch.randn(3, 6, 32), torch.randn(3, 8, 32)
+    padding = torch.zeros(3, 8, dtype=torch.bool)
+    padding[1, 5:] = True
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)  # True: may not attend
+    self_attn, cross_attn = model.decoder[0].self_attn, model.decoder[0].cross_attn
+    with torch.no_grad():
+        want = _torch_attention(self_attn, 32)(x, x, x, attn_mask=causal, need_weights=False)[0]
+        torch.testing.assert_close(self_attn(x, causal=True), want, rtol=1e-5, atol=1e-5)
+        want = _torch_attention(cross_attn, 32)(x, memory, memory, key_padding_mask=padding, need_weights=False)[0]
+        torch.testing.assert_close(cross_attn(x, memory, key_padding_mask=padding), want, rtol=1e-5, atol=1e-5)
+
+
+def test_each_stacked_projection_is_initialised_as_a_matrix_of_its_own():
+    # Xavier's bound for W^Q alone (32 x 32) is sqrt(6 / 64); for a stack of r rows, sqrt(6 / (32 + r)),
+    # smaller, and 1,024 draws reach past it.
+    model = tiny_model(seed=2)
+    for weight in (model.encoder[0].self_attn.qkv_proj.weight, model.decoder[0].cross_attn.kv_proj.weight):
+        for part in weight.split(32):
+            assert (6 / (32 + weight.size(0))) ** 0.5 < part.abs().max() <= (6 / 64) ** 0.5
+
+
+@pytest.mark.parametrize("head_sizes", [{}, {"d_k": 4, "d_v": 12}])
+def test_weights_saved_with_separate_projections_load_stacked(head_sizes):
+    config = dataclasses.replace(tiny_model().config, **head_sizes)
+    torch.manual_seed(5)
+    model, other = Transformer(config, 23, PAD).eval(), Transformer(config, 23, PAD).eval()
+    separate = {}
+    for name, weight in model.state_dict().items():
+        stacked = name.rsplit(".", 2)[-2]
+        if stacked in ("qkv_proj", "kv_proj"):
+            parts = stacked.removesuffix("_proj")  # "qkv" or "kv"
+            sizes = model.encoder[0].self_attn.sizes[3 - len(parts):]
+            for part, value in zip(parts, weight.split(sizes), strict=True):
+                separate[name.replace(stacked, f"{part}_proj")] = value
+        else:
+            separate[name] = weight
+    assert "decoder.0.cross_attn.k_proj.bias" in separate and "encoder.1.self_attn.v_proj.weight" in separate
+    other.load_state_dict(separate)
+    assert all(torch.equal(other.state_dict()[name], w) for name, w in model.state_dict().items())
+    src, tgt = torch.randint(4, 23, (2, 5)), torch.randint(4, 23, (2, 4))
+    with torch.no_grad():
+        torch.testing.assert_close(other(src, tgt), model(src, tgt), rtol=0, atol=0)
+
+
 def test_schedule_warms_up_then_decays():
     rates = [inverse_sqrt_rate(s, 512, 4000) for s in (1, 2000, 4000, 16000)]
     assert rates[0] < rates[1] < rates[2] and rates[3] == pytest.approx(rates[2] / 2)
@@ -158,7 +216,7 @@ def test_heads_with_their_own_key_and_value_sizes():
     config = TransformerConfig(32, 4, 64, 1, 1, 0.0, 0.0, "post", "sinusoidal", 64, d_k=4, d_v=12)
     model = Transformer(config, 23, PAD).eval()
     attn = model.encoder[0].self_attn
-    assert attn.q_proj.out_features == attn.k_proj.out_features == 16 and attn.v_proj.out_features == 48
+    assert attn.sizes == (16, 16, 48) and attn.qkv_proj.out_features == 80
     src, tgt = torch.randint(4, 23, (2, 5)), torch.randint(4, 23, (2, 4))
     assert model(src, tgt).shape == (2, 4, 23)
     with pytest.raises(ValueError, match="not divisible"):

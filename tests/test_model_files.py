@@ -55,6 +55,10 @@ def test_files_that_are_not_ours_are_refused_by_name(tmp_path):
     torch.save({"model": {}}, tmp_path / "foreign.pt")
     with pytest.raises(PipelineError, match="foreign.pt: not a checkpoint written by this pipeline"):
         read_model(tmp_path / "foreign.pt")
+    torch.save({"format": "transformer-pipeline/checkpoint/2", "step": 3}, tmp_path / "older.pt")
+    with pytest.raises(PipelineError, match="older.pt: a checkpoint of format transformer-pipeline/checkpoint/2, "
+                                            "from another version of the train stage"):
+        read_checkpoint(tmp_path / "older.pt")
     with pytest.raises(PipelineError, match="absent.safetensors: model file not found"):
         read_model(tmp_path / "absent.safetensors")
     with pytest.raises(PipelineError, match="old.safetensors: its model metadata is incomplete"):

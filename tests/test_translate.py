@@ -21,7 +21,6 @@ from translate import cpu, translator as translator_module
 from translate.translator import PRECISIONS, Translator
 from translate.beam_search import STOPS, beam_search
 from translate.cache import GrowingKVCache, SourceKVCache
-from translate.transforms import FusedProjections, fuse_self_attention
 from translate.translator import ModelSteps
 from transformer.model import Transformer
 
@@ -126,39 +125,6 @@ def test_batched_beam_search_equals_one_by_one(stop):
         assert alone[0].score == pytest.approx(hyps[0].score, abs=1e-4)
 
 
-@pytest.mark.parametrize("head_sizes", [{}, {"d_k": 4, "d_v": 12}])
-def test_fused_self_attention_projections_compute_what_the_three_did(head_sizes):
-    model = tiny_model(seed=9)
-    if head_sizes:
-        torch.manual_seed(9)
-        model = Transformer(dataclasses.replace(model.config, **head_sizes), vocab_size=23, pad_id=PAD).eval()
-    fused = copy.deepcopy(model)
-    fuse_self_attention(fused)
-    linears = [m for m in fused.modules() if isinstance(m, torch.nn.Linear)]
-    fuse_self_attention(fused)  # already fused: nothing more to do
-    assert [m for m in fused.modules() if isinstance(m, torch.nn.Linear)] == linears
-    for layer in (*fused.encoder, *fused.decoder):  # one product for the three, of their weights
-        assert isinstance(layer.self_attn.qkv_proj, FusedProjections)
-        assert not any(isinstance(p, torch.nn.Linear) for p in (layer.self_attn.q_proj, layer.self_attn.k_proj))
-    assert isinstance(fused.decoder[0].cross_attn.k_proj, torch.nn.Linear)  # keys from the source: not fusable
-    src = torch.randint(4, 23, (3, 7))
-    src[1, 4:] = PAD
-    tokens = torch.cat([torch.full((3, 1), BOS), torch.randint(4, 23, (3, 5))], dim=1)
-    with torch.no_grad():
-        torch.testing.assert_close(fused(src, tokens), model(src, tokens), atol=1e-5, rtol=1e-5)
-        for unpadded in (False, True):
-            torch.testing.assert_close(fused.encode(src, unpadded)[0], model.encode(src, unpadded)[0],
-                                       atol=1e-5, rtol=1e-5)
-        steps = {}
-        for m in (model, fused):
-            decoder = ModelSteps(m, src)
-            steps[m] = torch.stack([decoder.step(tokens[:, : t + 1]).clone() for t in range(tokens.size(1))], 1)
-        torch.testing.assert_close(steps[fused], steps[model], atol=1e-5, rtol=1e-5)
-    assert [[h.tokens for h in hs] for hs in _search(fused, src, 4)] == \
-        [[h.tokens for h in hs] for hs in _search(model, src, 4)]
-
-
-
 def test_a_batch_without_padding_is_decoded_without_a_mask_to_the_same_log_probabilities():
     model = tiny_model(seed=13)
     src = torch.randint(4, 23, (3, 6))  # no padding
@@ -196,7 +162,7 @@ def test_the_translator_batches_by_length_and_returns_in_order_what_each_search_
 
 def test_threads_translating_at_once_take_turns_and_each_gets_its_own_translations():
     # A server's request threads share one Translator, whose CPU model keeps state within a step
-    # (FusedProjections' parts): two searches at once gave one request another's projections.
+    # (PackedOutput's logits buffer): two searches at once would read each other's logits.
     translator = Translator(tiny_model(seed=5), "cpu", bos_id=BOS, eos_id=EOS)
     requests = [[[5, 6, 7]], [[8] * 6, [9, 4]], [[6] * 5], [[4, 7, 9, 5]]]
     alone = [translator.translate_batch(sources, beam_size=3, max_length_extra=4) for sources in requests]
@@ -370,8 +336,9 @@ def test_fp32_on_cpus_runs_every_product_on_packed_weights_as_the_plain_model(av
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
     layers = [m for stack in (packed.encoder, packed.decoder) for m in stack.modules()
               if isinstance(m, cpu.PackedLinear)]
-    # self-attention's fused q, k and v and its output, the feed-forward's two; cross-attention's four
-    assert len(layers) == 4 * plain.config.encoder_layers + 8 * plain.config.decoder_layers
+    # self-attention's stacked q, k and v and its output, the feed-forward's two; cross-attention's query,
+    # stacked keys and values, and output
+    assert len(layers) == 4 * plain.config.encoder_layers + 7 * plain.config.decoder_layers
     first, second = packed.decoder[0].ffn.net
     assert (first.activation, second.activation) == ("relu", "none")  # the ReLU in the first product
     for rows in (4, 1000):  # a step of one sentence, a step of a large batch
@@ -419,7 +386,7 @@ def test_fp16_on_cpus_computes_in_fp32_what_the_model_with_its_weights_in_fp16_d
     assert not any(isinstance(m, torch.nn.Linear) for m in half.modules())
     assert isinstance(half.output, cpu.HalfWeights)
     layers = [m for stack in (half.encoder, half.decoder) for m in stack.modules() if isinstance(m, cpu.HalfWeights)]
-    assert len(layers) == 4 * plain.config.encoder_layers + 8 * plain.config.decoder_layers
+    assert len(layers) == 4 * plain.config.encoder_layers + 7 * plain.config.decoder_layers
     src, tgt = torch.randint(4, plain.vocab_size, (3, 9)), torch.randint(4, plain.vocab_size, (3, 6))
     with torch.inference_mode():
         for rows in (4, cpu.FEW_ROWS + 1, 1000):  # fbgemm's fp16 product, then oneDNN's on the rounded weights

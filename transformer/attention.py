@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -34,16 +35,44 @@ class Packing:
 
 class MultiHeadAttention(nn.Module):
     """h heads, each projecting queries and keys to d_k and values to d_v (the paper: d_k = d_v =
-    d_model / h = 64; Table 3 rows (A) and (B) vary them)."""
+    d_model / h = 64; Table 3 rows (A) and (B) vary them).
 
-    def __init__(self, d_model: int, n_heads: int, d_k: int, d_v: int, dropout: float) -> None:
+    The projections of one input run as one product: self-attention's W^Q, W^K and W^V stacked
+    (qkv_proj), attention to another sequence's W^K and W^V (kv_proj, beside q_proj). One product of
+    three times the width reads its input once and launches once where three products would each do
+    both (`python -m bench.train`, against `--separate-projections`)."""
+
+    def __init__(self, d_model: int, n_heads: int, d_k: int, d_v: int, dropout: float, self_attention: bool) -> None:
         super().__init__()
         self.n_heads, self.d_k, self.d_v = n_heads, d_k, d_v
         self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, n_heads * d_k)
-        self.k_proj = nn.Linear(d_model, n_heads * d_k)
-        self.v_proj = nn.Linear(d_model, n_heads * d_v)
+        self.sizes = (n_heads * d_k, n_heads * d_k, n_heads * d_v)  # the rows of W^Q, W^K, W^V
+        if self_attention:
+            self.qkv_proj = nn.Linear(d_model, sum(self.sizes))
+        else:
+            self.q_proj = nn.Linear(d_model, self.sizes[0])
+            self.kv_proj = nn.Linear(d_model, sum(self.sizes[1:]))
         self.out_proj = nn.Linear(n_heads * d_v, d_model)
+        self.register_load_state_dict_pre_hook(_stack_separate_projections)
+
+    @property
+    def self_attention(self) -> bool:
+        return hasattr(self, "qkv_proj")
+
+    def stacked(self) -> dict[str, tuple[int, ...]]:
+        """Each projection's name and the sizes of the products stacked in it, in order (q, k, v)."""
+        if self.self_attention:
+            return {"qkv_proj": self.sizes}
+        return {"q_proj": self.sizes[:1], "kv_proj": self.sizes[1:]}
+
+    def project(self, query: Tensor, memory: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries of `query` (..., D), keys and values of `memory` (..., D), or of `query` itself when
+        memory is None (self-attention): (..., n_heads * d_k) twice and (..., n_heads * d_v)."""
+        if memory is None:
+            q, k, v = self.qkv_proj(query).split(self.sizes, -1)
+            return q, k, v
+        k, v = self.kv_proj(memory).split(self.sizes[1:], -1)
+        return self.q_proj(query), k, v
 
     def _heads(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape  # (B, T, n_heads * d) -> (B, n_heads, T, d)
@@ -60,7 +89,7 @@ class MultiHeadAttention(nn.Module):
     def forward(
         self,
         query: Tensor,
-        memory: Tensor,
+        memory: Tensor | None = None,
         *,
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
@@ -68,13 +97,14 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor:
         """Attend from `query` (N, Tq, D) to `memory` (B, Tk, D), N = beams x B: rows b x beams ..
         (b + 1) x beams - 1 of the query (a sentence's beams in beam search) share memory row b.
+        memory None: self-attention, from `query` to itself (the module's qkv_proj).
 
         key_padding_mask: (B, Tk), True where the key is padding and must get no weight.
         causal: each query position sees only keys at or before it (decoder self-attention).
-        packing: query and memory are the same tokens without padding, (n, D) (the encoder's
-        self-attention); the result is (n, D) too.
+        packing: self-attention over tokens without padding, (n, D) (the encoder's); the result is
+        (n, D) too.
         """
-        q, k, v = self.q_proj(query), self.k_proj(memory), self.v_proj(memory)
+        q, k, v = self.project(query, memory)
         if packing is not None:
             q, k, v = (packing.unpack(x) for x in (q, k, v))
         q, k, v = self._heads(q), self._heads(k), self._heads(v)  # (N or B, n_heads, T, d)
@@ -87,3 +117,12 @@ class MultiHeadAttention(nn.Module):
         y = y.view(b, self.n_heads, beams, tq, self.d_v).permute(0, 2, 3, 1, 4)  # (B, beams, Tq, n_heads, d_v)
         y = y.reshape(n, tq, self.n_heads * self.d_v)
         return self.out_proj(y if packing is None else packing.pack(y))
+
+
+def _stack_separate_projections(module: MultiHeadAttention, state: dict[str, Tensor], prefix: str, *args) -> None:
+    """Weights saved with separate products (q_proj, k_proj, v_proj) load stacked."""
+    name, parts = ("qkv_proj", "qkv") if module.self_attention else ("kv_proj", "kv")
+    for leaf in ("weight", "bias"):
+        keys = [f"{prefix}{part}_proj.{leaf}" for part in parts]
+        if all(key in state for key in keys):
+            state[f"{prefix}{name}.{leaf}"] = torch.cat([state.pop(key) for key in keys])

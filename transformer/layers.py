@@ -34,22 +34,22 @@ class Residual(nn.Module):
         return self.norm(x + self.dropout(sublayer(x)))
 
 
-def _attention(c: TransformerConfig) -> MultiHeadAttention:
-    return MultiHeadAttention(c.d_model, c.n_heads, *c.head_dims, c.attention_dropout)
+def _attention(c: TransformerConfig, self_attention: bool) -> MultiHeadAttention:
+    return MultiHeadAttention(c.d_model, c.n_heads, *c.head_dims, c.attention_dropout, self_attention)
 
 
 class EncoderLayer(nn.Module):
     def __init__(self, c: TransformerConfig) -> None:
         super().__init__()
         pre_norm = c.norm == "pre"
-        self.self_attn = _attention(c)
+        self.self_attn = _attention(c, self_attention=True)
         self.ffn = FeedForward(c.d_model, c.d_ff)
         self.attn_block = Residual(c.d_model, c.dropout, pre_norm)
         self.ffn_block = Residual(c.d_model, c.dropout, pre_norm)
 
     def forward(self, x: Tensor, src_pad: Tensor, packing: Packing | None = None) -> Tensor:
         """x (B, S, D), or its real tokens (n, D) with their `packing`."""
-        x = self.attn_block(x, lambda h: self.self_attn(h, h, key_padding_mask=src_pad, packing=packing))
+        x = self.attn_block(x, lambda h: self.self_attn(h, key_padding_mask=src_pad, packing=packing))
         return self.ffn_block(x, self.ffn)
 
 
@@ -57,8 +57,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: TransformerConfig) -> None:
         super().__init__()
         pre_norm = c.norm == "pre"
-        self.self_attn = _attention(c)
-        self.cross_attn = _attention(c)
+        self.self_attn = _attention(c, self_attention=True)
+        self.cross_attn = _attention(c, self_attention=False)
         self.ffn = FeedForward(c.d_model, c.d_ff)
         self.self_block = Residual(c.d_model, c.dropout, pre_norm)
         self.cross_block = Residual(c.d_model, c.dropout, pre_norm)
@@ -66,6 +66,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, memory: Tensor, src_pad: Tensor | None) -> Tensor:
         """x (N, T, D); memory (B, S, D), N = beams x B."""
-        x = self.self_block(x, lambda h: self.self_attn(h, h, causal=True))
+        x = self.self_block(x, lambda h: self.self_attn(h, causal=True))
         x = self.cross_block(x, lambda h: self.cross_attn(h, memory, key_padding_mask=src_pad))
         return self.ffn_block(x, self.ffn)

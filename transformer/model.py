@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from transformer.attention import Packing
+from transformer.attention import MultiHeadAttention, Packing
 from transformer.config import TransformerConfig
 from transformer.layers import DecoderLayer, EncoderLayer
 
@@ -51,9 +51,13 @@ class Transformer(nn.Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
+        # A stacked projection's W^Q, W^K and W^V are initialised each as a matrix of its own.
+        stacked = {f"{name}.{proj}.weight": sizes for name, m in self.named_modules()
+                   if isinstance(m, MultiHeadAttention) for proj, sizes in m.stacked().items()}
         for name, p in self.named_parameters():
             if p.dim() > 1 and "embed" not in name and "positions" not in name:
-                nn.init.xavier_uniform_(p)
+                for part in p.split(stacked.get(name, p.size(0))):
+                    nn.init.xavier_uniform_(part)
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)
         # Scaled by sqrt(d_model) on the way in, so the embeddings start at unit variance.

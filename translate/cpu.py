@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from translate.beam_search import Select, top_k
-from translate.transforms import fuse_self_attention, replace_modules, swap_class
+from translate.transforms import replace_modules, swap_class
 from transformer.attention import MultiHeadAttention
 from transformer.layers import FeedForward
 from transformer.model import Transformer
@@ -248,7 +248,6 @@ def prepare(model: Transformer, precision: str) -> Select:
     """Apply the CPU's transforms for `precision` to `model` (fp32, on the CPU); return the beam's
     candidate selection to use with it."""
     keep_freed_memory()
-    fuse_self_attention(model)
     attend_for_decoding(model)
     if precision == "int8":
         quantize_int8(model)

@@ -5,20 +5,17 @@ from __future__ import annotations
 import torch
 
 from translate.beam_search import Select, top_k
-from translate.transforms import fuse_self_attention
 from transformer.model import Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def prepare(model: Transformer, device: torch.device, precision: str) -> Select:
-    """Fuse `model`'s self-attention projections and move it to `device` in `precision`; return the
-    beam's candidate selection to use with it.
+    """Move `model` to `device` in `precision`; return the beam's candidate selection to use with it.
 
     cuDNN's fused attention is left out of scaled_dot_product_attention: it builds a plan for each new
     (batch, length) shape, and every decoding step brings a new key length (`python -m bench.gpu`'s
     profile measures the same cost in training)."""
-    fuse_self_attention(model)
     torch.backends.cuda.enable_cudnn_sdp(False)
     model.to(device=device, dtype=DTYPES[precision])
     return top_k

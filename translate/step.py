@@ -14,7 +14,6 @@ import torch
 from torch import Tensor, nn
 
 from translate.cache import DecoderCache
-from translate.transforms import FusedProjections
 from transformer.layers import DecoderLayer
 from transformer.model import Transformer
 
@@ -48,17 +47,12 @@ class _LayerStep:
     def __init__(self, layer: DecoderLayer, pre_norm: bool) -> None:
         self_attn, cross_attn = layer.self_attn, layer.cross_attn
         self.heads, (self.d_k, self.d_v) = self_attn.n_heads, (self_attn.d_k, self_attn.d_v)
-        fused = getattr(self_attn, "qkv_proj", None)
-        if isinstance(fused, FusedProjections):  # the three in one product, as the backend made it
-            product, sizes = _direct(fused.linear), fused.sizes
-            self.qkv: Callable[[Tensor], list[Tensor]] = lambda x: product(x).split(sizes, -1)
-        else:
-            q, k, v = (_direct(m) for m in (self_attn.q_proj, self_attn.k_proj, self_attn.v_proj))
-            self.qkv = lambda x: [q(x), k(x), v(x)]
+        qkv, kv, sizes = _direct(self_attn.qkv_proj), _direct(cross_attn.kv_proj), self_attn.sizes
+        self.qkv: Callable[[Tensor], list[Tensor]] = lambda x: qkv(x).split(sizes, -1)
+        self.cross_kv: Callable[[Tensor], list[Tensor]] = lambda m: kv(m).split(sizes[1:], -1)
         self.self_attend, self.cross_attend = self_attn.attend, cross_attn.attend
         self.self_out, self.ffn = _direct(self_attn.out_proj), _direct(layer.ffn.net)
         self.cross_q, self.cross_out = _direct(cross_attn.q_proj), _direct(cross_attn.out_proj)
-        self.cross_k, self.cross_v = _direct(cross_attn.k_proj), _direct(cross_attn.v_proj)
         self.norms = [_direct(block.norm) for block in (layer.self_block, layer.cross_block, layer.ffn_block)]
         self.pre_norm = pre_norm
 
@@ -81,8 +75,8 @@ class _LayerStep:
             q = self.cross_q(y).view(b, n // b, h, self.d_k).transpose(1, 2)
             if source.k is None:
                 s = memory.size(1)
-                source.fill(self.cross_k(memory).view(b, s, h, self.d_k).transpose(1, 2),
-                            self.cross_v(memory).view(b, s, h, self.d_v).transpose(1, 2))
+                k, v = self.cross_kv(memory)
+                source.fill(k.view(b, s, h, self.d_k).transpose(1, 2), v.view(b, s, h, self.d_v).transpose(1, 2))
             y = self.cross_attend(q, source.k, source.v, src_pad, False)  # (B, h, beams, d_v)
             return self.cross_out(y.transpose(1, 2).reshape(n, 1, h * self.d_v))
 

@@ -114,9 +114,9 @@ class Translator:
     (or another given). It takes the model over: the backend's transforms change it in place.
 
     Calls from several threads (a server's request threads) take turns, one batch search at a time:
-    the transformed model keeps state from call to call within a step (FusedProjections' parts, the
-    logits PackedOutput writes into a kept buffer), and each call turns the cycle collector off and
-    back as it found it. Each call already has every intra-op thread; more at once would only share them."""
+    the transformed model keeps state from call to call within a step (the logits PackedOutput writes
+    into a kept buffer), and each call turns the cycle collector off and back as it found it. Each call
+    already has every intra-op thread; more at once would only share them."""
 
     def __init__(self, model: Transformer, device: torch.device | str, precision: str = "fp32", *,
                  bos_id: int, eos_id: int, backend: Backend | None = None) -> None:
