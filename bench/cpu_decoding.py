@@ -139,7 +139,7 @@ def attention_kernels(d_model: int, heads: int, rows: list[int], keys: list[int]
     for attention to the source, also the time of that one without a padding mask (no source padded)."""
     torch.manual_seed(0)
     d = d_model // heads
-    sdpa = MultiHeadAttention(d_model, heads, d, d, 0.0).eval()
+    sdpa = MultiHeadAttention(d_model, heads, d, d, 0.0, self_attention=True).eval()
     table = []
     for n in rows:
         for t in keys:
