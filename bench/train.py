@@ -166,6 +166,15 @@ def main() -> None:
     def kernels() -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if args.torch_attention else attention_kernels(device, precision)
 
+    if SEPARATE in runs:  # the same weights apart compute what ours computes, before either trains
+        losses = []
+        for name in ("ours", SEPARATE):
+            model, step_fn, _ = runs[name]
+            model.eval()  # no dropout: the same function of the same weights
+            with torch.no_grad(), kernels():
+                losses.append(step_fn(*data[0]))
+            model.train()
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=0)
     with kernels():
         for i in range(args.warmup):
             for name in runs:
