@@ -15,7 +15,9 @@ stage's settings (stages/devices.py): on CPUs glibc's allocator as it sets it (`
 leaves it as it comes) and oneDNN keeping the kernels of every shape, and everywhere its attention
 kernels (`--torch-attention` leaves torch's choice), so two runs show what a setting is worth;
 `--separate-projections` also times ours with attention's q, k and v as three products (slices of the
-same weights), in the same alternation.
+same weights), in the same alternation. `--compile step` compiles both models' steps as train.compile
+true does, `--compile loss` both losses alone as train.compile loss does (`--compile` alone: step), and
+`--against-eager` also times ours eager with the same weights, in the same alternation.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import functools
 import resource
 import statistics
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -34,6 +37,7 @@ from stages import export
 from stages.batching import collate, token_batches
 from stages.devices import attention_kernels, default_device, keep_freed_host_memory, keep_generated_kernels
 from stages.train import forward_loss
+from stages.train_compile import Compiled, compile_seconds
 from stages.vocab import PAD_ID
 from bench.common import CORPORA, MODELS, model_settings
 from bench.results import record
@@ -72,32 +76,41 @@ def separately(attention: MultiHeadAttention, query: torch.Tensor,
     return (*parts,) if memory is None else (attention.q_proj(query), *parts)
 
 
-SEPARATE = "ours, q k v apart"
+SEPARATE, EAGER = "ours, q k v apart", "ours, eager"
+COMPILED = {"none": "", "step": ", compiled", "loss": ", loss compiled"}  # as a result's case names it
 
 
-def ours(config: TransformerConfig, vocab_size: int, separate_projections: bool = False):
-    """The train stage's own micro-batch: its model and loss as one function."""
+def ours(config: TransformerConfig, vocab_size: int, separate_projections: bool = False, compiled: str = "none"):
+    """The train stage's own micro-batch: its model and loss as one function, `compiled` ("step", "loss" or
+    "none") as train.compile_step compiles it."""
     model = Transformer(config, vocab_size, PAD_ID)
     for module in model.modules() if separate_projections else ():
         if isinstance(module, MultiHeadAttention):
             module.project = functools.partial(separately, module)
+    step = forward_loss if compiled == "none" else Compiled(forward_loss, part=compiled)
 
     def loss(src, tgt_in, tgt_out):
-        return forward_loss(model, src, tgt_in, tgt_out, 0.1)[0]
+        return step(model, src, tgt_in, tgt_out, 0.1)[0]
     return model, loss
 
 
-def marian(config: TransformerConfig, vocab_size: int):
+def _marian_loss(logits: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=PAD_ID,
+                           label_smoothing=0.1, reduction="sum")
+
+
+def marian(config: TransformerConfig, vocab_size: int, compiled: str = "none"):
+    """MarianMT's micro-batch, `compiled` as ours: the whole of it, its loss alone (torch's), or none."""
     from transformers import MarianMTModel
 
     model = MarianMTModel(export.marian_config(config, vocab_size))
+    cross_entropy = torch.compile(_marian_loss, dynamic=True) if compiled == "loss" else _marian_loss
 
     def loss(src, tgt_in, tgt_out):
         logits = model(input_ids=src, attention_mask=src.ne(PAD_ID), decoder_input_ids=tgt_in,
                        decoder_attention_mask=tgt_in.ne(PAD_ID)).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=PAD_ID,
-                               label_smoothing=0.1, reduction="sum")
-    return model, loss
+        return cross_entropy(logits, tgt_out)
+    return (model, torch.compile(loss, dynamic=True)) if compiled == "step" else (model, loss)
 
 
 def main() -> None:
@@ -109,7 +122,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per model")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--compile", action="store_true", help="torch.compile both models")
+    ap.add_argument("--compile", nargs="?", const="step", default="none", choices=["none", "step", "loss"],
+                    help="torch.compile both models' steps (step, the default of the bare flag) or losses alone")
+    ap.add_argument("--against-eager", action="store_true",
+                    help="also time ours eager, with the same weights (with --compile)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="then profile this many of ours' steps and print where their time goes")
     ap.add_argument("--default-malloc", action="store_true",
@@ -131,19 +147,30 @@ def main() -> None:
     text = CORPORA["multi30k" if args.preset == "multi30k" else "europarl"]["train"]
     data = batches(args.batch_tokens, args.vocab_size, args.steps, text)
     runs = {}
-    builds = [("ours", ours), ("MarianMT (transformers)", marian)]
+    if args.against_eager and args.compile == "none":
+        ap.error("--against-eager times ours eager beside ours compiled: give --compile step or loss")
+    builds = [("ours", functools.partial(ours, compiled=args.compile)),
+              ("MarianMT (transformers)", functools.partial(marian, compiled=args.compile))]
     if args.separate_projections:
-        builds.append((SEPARATE, functools.partial(ours, separate_projections=True)))
+        builds.append((SEPARATE, functools.partial(ours, separate_projections=True, compiled=args.compile)))
+    if args.against_eager:
+        builds.append((EAGER, ours))
     for name, build in builds:
-        model, loss_fn = build(config, args.vocab_size)
-        if name == SEPARATE:
-            model.load_state_dict(runs["ours"][0].state_dict())  # the same weights, computed apart
+        model, step_fn = build(config, args.vocab_size)
+        if name in (SEPARATE, EAGER):
+            model.load_state_dict(runs["ours"][0].state_dict())  # the same weights, computed apart or eager
         model.to(device).train()
-        step_fn = torch.compile(loss_fn, dynamic=True) if args.compile else loss_fn  # as train.compile does
         runs[name] = (model, step_fn, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
                                                         fused=True))
     times: dict[str, list[float]] = {name: [] for name in runs}
     faults: dict[str, list[int]] = {name: [] for name in runs}  # pages the OS mapped in, zeroed, for the step
+    compiling = dict.fromkeys(runs, 0.0)  # seconds each spent compiling, by torch's accounting
+
+    @contextlib.contextmanager
+    def counted(name: str) -> Iterator[None]:
+        before = compile_seconds()
+        yield
+        compiling[name] += compile_seconds() - before
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     precision = {"fp32": "no"}.get(args.precision, args.precision)  # as Accelerate names it
 
@@ -153,7 +180,7 @@ def main() -> None:
             torch.cuda.synchronize()
         mapped = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=args.precision != "fp32"):
+        with torch.autocast(device.type, dtype=dtype, enabled=args.precision != "fp32"), counted(name):
             loss = step_fn(src, tgt_in, tgt_out)
         (loss / tgt_out.ne(PAD_ID).sum()).backward()
         optimizer.step()
@@ -166,12 +193,14 @@ def main() -> None:
     def kernels() -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if args.torch_attention else attention_kernels(device, precision)
 
-    if SEPARATE in runs:  # the same weights apart compute what ours computes, before either trains
+    for variant in (SEPARATE, EAGER):  # the same weights compute what ours computes, before either trains
+        if variant not in runs:
+            continue
         losses = []
-        for name in ("ours", SEPARATE):
+        for name in ("ours", variant):
             model, step_fn, _ = runs[name]
             model.eval()  # no dropout: the same function of the same weights
-            with torch.no_grad(), kernels():
+            with torch.no_grad(), kernels(), counted(name):
                 losses.append(step_fn(*data[0]))
             model.train()
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=0)
@@ -188,20 +217,23 @@ def main() -> None:
     params = {name: sum(p.numel() for p in m.parameters()) for name, (m, _, _) in runs.items()}
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"{args.preset} model, {device.type} ({where}), "
-          f"{args.precision}{', compiled' if args.compile else ''}, batches of {args.batch_tokens} tokens per side, "
+          f"{args.precision}{COMPILED[args.compile]}, batches of {args.batch_tokens} tokens per side, "
           f"{args.steps} timed steps ({tokens} target tokens) after {args.warmup} warm-up")
     rate = {name: tokens / sum(t) for name, t in times.items()}
     rows = []
     for name in runs:
         spread = statistics.pstdev(times[name]) / statistics.mean(times[name])
         pages = round(statistics.mean(faults[name]))
+        compiled = f", compiled in {compiling[name]:.1f} s" if compiling[name] else ""
         print(f"{name:26}{rate[name]:>12,.0f} target tokens/s  ({params[name] / 1e6:.1f}M parameters, "
-              f"step time varies {spread:.0%}, {pages:,} page faults a step)")
+              f"step time varies {spread:.0%}, {pages:,} page faults a step{compiled})")
         rows.append({"system": name, "target tokens/s": round(rate[name]), "parameters": params[name],
-                     "step time varies": f"{spread:.0%}", "page faults a step": pages})
+                     "step time varies": f"{spread:.0%}", "page faults a step": pages,
+                     **({"compile s": round(compiling[name], 1)} if args.compile != "none" else {})})
     summary = f"ours / MarianMT: {rate['ours'] / rate['MarianMT (transformers)']:.2f}x"
-    if SEPARATE in rate:
-        summary += f"; ours / {SEPARATE}: {rate['ours'] / rate[SEPARATE]:.2f}x"
+    for variant in (SEPARATE, EAGER):
+        if variant in rate:
+            summary += f"; ours / {variant}: {rate['ours'] / rate[variant]:.2f}x"
     print(summary)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -211,9 +243,10 @@ def main() -> None:
                 step("ours", *batch)
         print(f"Where {args.profile} of ours' steps spend their time (self CPU time, the largest first):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    how = ((", compiled" if args.compile else "") + (", default malloc" if args.default_malloc else "")
+    how = (COMPILED[args.compile] + (", default malloc" if args.default_malloc else "")
            + (", torch's attention" if args.torch_attention else "")
-           + (", with q k v apart" if args.separate_projections else ""))
+           + (", with q k v apart" if args.separate_projections else "")
+           + (", against eager" if args.against_eager else ""))
     record("train", f"{args.preset} {args.precision} {args.batch_tokens}{how}",
            f"Training steps, {args.preset} model, {args.precision}{how}, {args.batch_tokens} tokens a side",
            rows, summary)

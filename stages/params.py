@@ -128,7 +128,8 @@ class TrainParams:
     label_smoothing: float
     clip_norm: float  # 0: no clipping, as the paper
     precision: Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16 on GPUs that have it, else fp32
-    compile: bool | Literal["auto"]  # torch.compile the step's model and loss; auto: on GPUs (resolved())
+    compile: bool | Literal["auto", "loss"]  # torch.compile the step (model and loss), the loss alone, or not
+                                             # at all; auto: as resolved() says
     cuda_graphs: bool  # replay the compiled step as CUDA graphs, one a batch shape: GPUs, compile and buckets
     shapes: Literal["exact", "buckets"]  # a batch padded to its longest pair, or to one of a few shapes (batching.py)
     seed: int
@@ -158,16 +159,17 @@ class TrainParams:
               f"linear_decay falls to zero at max_steps ({self.max_steps}), which must come after the "
               f"{self.warmup_steps} warm-up steps")
         check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), not {self.label_smoothing}")
-        check(not self.cuda_graphs or (self.compile is not False and self.shapes == "buckets"), "cuda_graphs",
+        check(not self.cuda_graphs or (self.compile in (True, "auto") and self.shapes == "buckets"), "cuda_graphs",
               "replays the compiled step, one graph a batch shape: it needs train.compile true (or auto) and "
               "train.shapes buckets (a bounded set of shapes)")
 
     def resolved(self, gpu: bool) -> TrainParams:
-        """train.compile for where the step runs: auto compiles on GPUs, where the compiled step is the
-        fastest measured (bench.gpu's throughput part), and not on CPUs, where it is no faster and
-        compiling adds minutes (bench.train --compile). It never alters the updates: a run resumes
-        across the two."""
-        return replace(self, compile=gpu if self.compile == "auto" else self.compile)
+        """train.compile for where the step runs, each the fastest measured there: on GPUs the step
+        (bench.gpu's throughput part); on CPUs the loss alone, whose compiled kernels read the logits
+        once each way with no copies in another precision, where the compiled step is no faster and
+        takes minutes to compile (bench.train --compile loss and --compile step, each --against-eager).
+        It never alters the updates: a run resumes across them."""
+        return replace(self, compile=(True if gpu else "loss") if self.compile == "auto" else self.compile)
 
 
 @dataclass(frozen=True)

@@ -92,10 +92,12 @@ class StepResult:
 
 
 def forward_loss(model: torch.nn.Module, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor,
-                 epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 epsilon: float, loss: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A micro-batch's summed (smoothed loss, nll): the model and its loss in one function, which
-    train.compile compiles as one graph (the logits never leave it in another precision)."""
-    return label_smoothed_nll_loss(model(src, tgt_in), tgt_out, epsilon, vocab.PAD_ID)
+    train.compile compiles as one graph (the logits never leave it in another precision). `loss`:
+    label_smoothed_nll_loss, or that compiled (train.compile loss)."""
+    return (loss or label_smoothed_nll_loss)(model(src, tgt_in), tgt_out, epsilon, vocab.PAD_ID)
 
 
 class Trainer:
@@ -301,7 +303,8 @@ def compile_step(trainer: Trainer) -> None:
     if p.compile and not isinstance(trainer.forward_loss, Compiled):
         if p.cuda_graphs:
             persistent_gradients(list(trainer.model.parameters()))
-        trainer.forward_loss = Compiled(trainer.forward_loss, captured=p.cuda_graphs)
+        trainer.forward_loss = Compiled(trainer.forward_loss, captured=p.cuda_graphs,
+                                        part="loss" if p.compile == "loss" else "step")
 
 
 def _start_from(model: Transformer, path: Path) -> None:
@@ -370,7 +373,7 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
     acc.print(f"model: {trainer.n_parameters / 1e6:.1f}M parameters; {len(trainer.sampler)} batches per epoch "
               f"per process; training pairs dropped: {trainer.dropped['over_positions']} longer than "
               f"model.max_positions, {trainer.dropped['over_budget']} alone over a micro-batch's budget; "
-              f"the step runs {trainer.forward_loss if isinstance(trainer.forward_loss, Compiled) else 'eager'}")
+              f"the step is {trainer.forward_loss if isinstance(trainer.forward_loss, Compiled) else 'eager'}")
     with StopRequest() as request:
         try:
             _loop(trainer, checkpoints, log, request)

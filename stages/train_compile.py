@@ -1,22 +1,26 @@
-"""How the train step's forward and backward run: as written (eager), compiled by torch.compile, or
-compiled and replayed as CUDA graphs (captured). A transform the train stage applies to the step from
-outside (train.compile_step, from train.compile and train.cuda_graphs); the model, its loss and the step's
-accumulate, clip and update know nothing of it.
+"""How the train step's forward and backward run: as written (eager), compiled by torch.compile (the
+whole step, or its loss alone), or compiled and replayed as CUDA graphs (captured). A transform the train
+stage applies to the step from outside (train.compile_step, from train.compile and train.cuda_graphs); the
+model, its loss and the step's accumulate, clip and update know nothing of it.
 
-Compiled, one graph with dynamic shapes serves every batch shape. Captured, each batch shape gets a
-graph and a CUDA graph of its own (a CUDA graph replays fixed shapes and addresses), which bucket shapes
+Compiled, one graph with dynamic shapes serves every batch shape. Its loss alone compiled, the model runs
+as written and the loss's graph takes the logits in their own precision. Captured, each batch shape gets
+a graph and a CUDA graph of its own (a CUDA graph replays fixed shapes and addresses), which bucket shapes
 bound to a few; the step's gradients then live in tensors of their own that every replay adds into,
 never in a graph's memory that the next replay overwrites.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
-LossFunction = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, float],
-                        tuple[torch.Tensor, torch.Tensor]]
+from transformer.loss import label_smoothed_nll_loss
+
+LossFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (model, src, tgt_in, tgt_out, epsilon, loss=)
 
 # Graphs a captured step may record, one per (shape, training or eval): bucketed batches come in at most
 # 16 shapes (tests/test_train.py: test_an_epoch_of_bucketed_steps_takes_few_shapes_and_every_pair_once),
@@ -34,10 +38,14 @@ def compile_seconds() -> float:
 
 
 class Compiled:
-    """`eager` compiled; `captured`: also replayed as CUDA graphs, one per batch shape."""
+    """`eager` compiled: `part` "step", all of it; "loss", the loss it takes as `loss=` (train.forward_loss's).
+    `captured`: the step also replayed as CUDA graphs, one per batch shape."""
 
-    def __init__(self, eager: LossFunction, captured: bool) -> None:
-        self.eager, self.captured = eager, captured
+    def __init__(self, eager: LossFunction, captured: bool = False, part: Literal["step", "loss"] = "step") -> None:
+        self.eager, self.captured, self.part = eager, captured, part
+        if part == "loss":
+            self.compiled = functools.partial(eager, loss=torch.compile(label_smoothed_nll_loss, dynamic=True))
+            return
         # Captured, shapes are static: torch 2.11's CUDA graphs of a dynamic-shape backward segfault on an
         # H100 where static ones replay eager's gradients (tests/test_train.py: test_captured_steps_update_
         # with_the_eager_steps_gradients, run by bench/gpu/check.sh speed).
@@ -50,6 +58,8 @@ class Compiled:
             return self.compiled(*args)
 
     def __str__(self) -> str:
+        if self.part == "loss":
+            return "loss-compiled (the model eager)"
         return "captured (compiled, replayed as CUDA graphs)" if self.captured else "compiled"
 
 

@@ -153,19 +153,21 @@ def test_the_linear_decay_warms_up_alike_then_falls_in_a_line_to_zero_after_the_
     assert linear_decay_rate(1401, 256, 800, 1400) == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk_rows", [3, 1000, "compiled"])
-def test_label_smoothing_ignores_padding_and_matches_pytorch(monkeypatch, chunk_rows):
-    """In chunks of rows, in one, and compiled (one fused pass each way, the target picked by comparison)."""
+def test_label_smoothing_ignores_padding_and_matches_pytorch(monkeypatch, chunk_rows, dtype):
+    """In chunks of rows, in one, and compiled (one fused pass each way, the target picked by comparison);
+    bf16 logits (a bf16 step's) against PyTorch's loss of the same values in fp32."""
     loss_fn = label_smoothed_nll_loss
     if chunk_rows == "compiled":
         loss_fn = torch.compile(label_smoothed_nll_loss, dynamic=True)
     else:
         monkeypatch.setattr(loss_module, "_chunk_rows", lambda logits: chunk_rows)
-    logits = torch.randn(2, 5, 11, requires_grad=True)
+    logits = torch.randn(2, 5, 11).to(dtype).requires_grad_()
     target = torch.randint(1, 11, (2, 5))
     target[1, 3:] = PAD
     loss, nll = loss_fn(logits, target, 0.1, PAD)
-    flat, ce = logits.view(-1, 11), torch.nn.functional.cross_entropy
+    flat, ce = logits.view(-1, 11).float(), torch.nn.functional.cross_entropy
     expected = ce(flat, target.view(-1), ignore_index=PAD, label_smoothing=0.1, reduction="sum")
     expected_nll = ce(flat, target.view(-1), ignore_index=PAD, reduction="sum")
     torch.testing.assert_close(loss, expected)
@@ -175,7 +177,7 @@ def test_label_smoothing_ignores_padding_and_matches_pytorch(monkeypatch, chunk_
         loss, nll = loss_fn(logits, target, 0.1, PAD)  # a graph each: a compiled one's buffers go in backward
         ours, = torch.autograd.grad(a * loss + b * nll, logits)
         theirs, = torch.autograd.grad(a * expected + b * expected_nll, logits, retain_graph=True)
-        torch.testing.assert_close(ours, theirs)
+        torch.testing.assert_close(ours, theirs.to(dtype))
         assert ours[1, 3:].abs().sum() == 0
 
 

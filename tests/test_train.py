@@ -174,9 +174,9 @@ def _gradients(trainer, steps=1):
     return captured
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("compiled", [False, "loss", pytest.param(True, marks=pytest.mark.slow)])
 def test_gradient_accumulation_equals_one_batch_of_the_union(encoded, vocab_dir, compiled):
-    """Four micro-batches, compiled or not, against the eager step of their union."""
+    """Four micro-batches, eager, their loss compiled or all compiled, against the eager step of their union."""
     parts = [np.arange(i * 5, i * 5 + 5) for i in range(4)]
     accumulating = _trainer(encoded[0], vocab_dir, micro_batches=4, compile=compiled)
     accumulating.sampler = BatchSampler(parts, seed=1)  # one step takes them all, in some order
@@ -184,7 +184,8 @@ def test_gradient_accumulation_equals_one_batch_of_the_union(encoded, vocab_dir,
     whole.sampler = BatchSampler([np.concatenate(parts)], seed=1)
     for a, b in zip(*_gradients(accumulating), *_gradients(whole), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert isinstance(accumulating.forward_loss, train.Compiled) == compiled  # compiled, it did not fall back
+    assert isinstance(accumulating.forward_loss, train.Compiled) == bool(compiled)  # compiled, it did not fall back
+    assert (accumulating.compiling > 0) == bool(compiled)  # and a graph was compiled
 
 
 def test_a_trainer_leaves_the_process_as_it_found_it(encoded, vocab_dir):
@@ -241,14 +242,16 @@ def test_a_bf16_step_on_cpus_takes_the_math_attention_and_follows_fp32s_gradient
     assert float((rounded - exact).norm()) <= 0.05 * float(exact.norm())  # bf16 keeps 8 bits of mantissa
 
 
-def test_auto_compiles_the_step_on_gpus_only_and_a_run_resumes_across_the_two(encoded, vocab_dir):
+def test_auto_compiles_the_step_on_gpus_its_loss_on_cpus_and_a_run_resumes_across_them(encoded, vocab_dir):
     auto = train_params(compile="auto")
-    assert auto.resolved(gpu=True).compile is True and auto.resolved(gpu=False).compile is False
+    assert auto.resolved(gpu=True).compile is True and auto.resolved(gpu=False).compile == "loss"
     assert train_params(compile=False).resolved(gpu=True).compile is False
+    assert train_params(compile="loss").resolved(gpu=True).compile == "loss"
     identity = {gpu: train.run_identity(TINY, auto.resolved(gpu), encoded[0], vocab_dir, None) for gpu in (True, False)}
     assert identity[True] == identity[False]  # compiling never alters the updates
     trainer = _trainer(encoded[0], vocab_dir, compile="auto")
-    assert isinstance(trainer.forward_loss, train.Compiled) == (default_device().type == "cuda")
+    assert isinstance(trainer.forward_loss, train.Compiled)
+    assert trainer.forward_loss.part == ("step" if default_device().type == "cuda" else "loss")
     trainer.close()
 
 
@@ -264,7 +267,7 @@ def test_a_step_that_fails_to_compile_trains_eager_after_one_warning(encoded, vo
     monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", no_compiler)
     torch._dynamo.reset()
     history = {}
-    for compiled in (False, True):
+    for compiled in (False, True, "loss"):
         config = dataclasses.replace(TINY, dropout=0.0)
         out = tmp_path / str(compiled)
         metrics = train.run(config, train_params(max_steps=4, compile=compiled, log_every=1, validate_every=2),
@@ -273,12 +276,13 @@ def test_a_step_that_fails_to_compile_trains_eager_after_one_warning(encoded, vo
         checkpoint = read_checkpoint(current_dir(out) / "checkpoint-00000004.pt")
         history[compiled] = [(r["loss"], r["grad_norm"]) for r in checkpoint.parts["progress"]["history"]]
         assert compiled or "compile_seconds" not in metrics  # eager: no time compiling to report
-    assert history[True] == history[False]
+    assert history[True] == history["loss"] == history[False]
     warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning")]
-    assert len(warnings) == 1, warnings
-    assert warnings[0].startswith("warning: the compiled step failed to compile (InvalidCxxCompiler: No working C++ "
-                                  "compiler found in torch._inductor.config.cpp.cxx")
-    assert warnings[0].endswith("); training goes on eager")
+    assert len(warnings) == 2, warnings  # one a run that compiles
+    for warning, step in zip(warnings, ("compiled", "loss-compiled (the model eager)"), strict=True):
+        assert warning.startswith(f"warning: the {step} step failed to compile (InvalidCxxCompiler: No working C++ "
+                                  f"compiler found in torch._inductor.config.cpp.cxx")
+        assert warning.endswith("); training goes on eager")
 
 
 def test_a_non_finite_loss_skips_its_update_on_the_device_and_stops_the_next_step(encoded, vocab_dir, monkeypatch):

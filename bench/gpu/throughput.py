@@ -61,12 +61,12 @@ def throughput(sizes: Sizes, work: Path, model: str, system: str, accum: int) ->
 
 
 def warmup_steps(sizes: Sizes, system: str) -> int:
-    """Untimed steps before timing `system`: more where its step is compiled (here, as params.yaml and
-    the system's settings resolve)."""
+    """Untimed steps before timing `system`: more where its whole step is compiled (here, as params.yaml
+    and the system's settings resolve); a loss compiled alone compiles once, in the first."""
     import torch
 
-    compiled = system in SYSTEMS and train_params(**SYSTEMS[system]).resolved(gpu=torch.cuda.is_available()).compile
-    return max(sizes.warmup_steps, COMPILED_WARMUP) if compiled else sizes.warmup_steps
+    whole = system in SYSTEMS and train_params(**SYSTEMS[system]).resolved(gpu=torch.cuda.is_available()).compile
+    return max(sizes.warmup_steps, COMPILED_WARMUP) if whole is True else sizes.warmup_steps
 
 
 def _ours(sizes: Sizes, work: Path, config, accum: int, settings: dict[str, Any]):
