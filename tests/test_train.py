@@ -178,6 +178,7 @@ def _gradients(trainer, steps=1):
 def test_gradient_accumulation_equals_one_batch_of_the_union(encoded, vocab_dir, compiled):
     """Four micro-batches, eager, their loss compiled or all compiled, against the eager step of their union."""
     parts = [np.arange(i * 5, i * 5 + 5) for i in range(4)]
+    torch._dynamo.reset()  # a graph another test compiled would be reused, with no time compiling
     accumulating = _trainer(encoded[0], vocab_dir, micro_batches=4, compile=compiled)
     accumulating.sampler = BatchSampler(parts, seed=1)  # one step takes them all, in some order
     whole = _trainer(encoded[0], vocab_dir, micro_batches=1)
