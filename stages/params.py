@@ -167,7 +167,7 @@ class TrainParams:
         """train.compile for where the step runs, each the fastest measured there: on GPUs the step
         (bench.gpu's throughput part); on CPUs the loss alone, whose compiled kernels read the logits
         once each way with no copies in another precision, where the compiled step is no faster and
-        takes minutes to compile (bench.train --compile loss and --compile step, each --against-eager).
+        takes over a minute to compile (bench.train --compile loss and --compile step, each --against-eager).
         It never alters the updates: a run resumes across them."""
         return replace(self, compile=(True if gpu else "loss") if self.compile == "auto" else self.compile)
 

@@ -42,6 +42,8 @@ class Compiled:
     `captured`: the step also replayed as CUDA graphs, one per batch shape."""
 
     def __init__(self, eager: LossFunction, captured: bool = False, part: Literal["step", "loss"] = "step") -> None:
+        if captured and part != "step":
+            raise ValueError("a captured step is compiled whole: CUDA graphs replay the step, not its loss alone")
         self.eager, self.captured, self.part = eager, captured, part
         if part == "loss":
             self.compiled = functools.partial(eager, loss=torch.compile(label_smoothed_nll_loss, dynamic=True))

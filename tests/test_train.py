@@ -639,6 +639,10 @@ def test_under_bf16_the_loss_reads_the_logits_in_bf16(encoded, vocab_dir, monkey
 def test_cuda_graphs_need_a_gpu_compile_and_buckets(encoded, vocab_dir):
     with pytest.raises(ValueError, match=r"needs train.compile true \(or auto\) and train.shapes buckets"):
         train_params(cuda_graphs=True, compile=True, shapes="exact")
+    with pytest.raises(ValueError, match=r"needs train.compile true \(or auto\)"):
+        train_params(cuda_graphs=True, compile="loss", shapes="buckets")
+    with pytest.raises(ValueError, match="a captured step is compiled whole"):
+        train.Compiled(train.forward_loss, captured=True, part="loss")
     if default_device().type == "cpu":
         with pytest.raises(PipelineError, match="train.cuda_graphs replays the step on a GPU, and this process "
                                                 "trains on cpu: set it to false"):
