@@ -12,7 +12,7 @@ from stages import vocab
 from stages.devices import default_device
 from stages.io import InputPath, OutputPath, PipelineError, atomic_write, read_lines, read_manifest, require_dir, \
     split_path
-from stages.model_files import read_model
+from stages.model_files import load_weights, read_model
 from stages.params import DecodeParams
 from stages.progress import Bar
 from translate.translator import Translator
@@ -27,7 +27,7 @@ def read_transformer(model_path: str | Path) -> Transformer:
     weights, meta = read_model(model_path)
     with torch.device("cpu"):
         model = Transformer(meta.config, meta.vocab_size, vocab.PAD_ID)
-    model.load_state_dict(weights)
+    load_weights(model, weights, model_path, "not the model its metadata describes")
     return model
 
 

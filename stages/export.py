@@ -18,7 +18,7 @@ import torch
 
 from stages import vocab
 from stages.io import InputPath, OutputPath, PipelineError
-from stages.model_files import read_model
+from stages.model_files import load_weights, read_model
 from transformer.config import TransformerConfig
 from transformer.model import Transformer
 
@@ -87,7 +87,7 @@ def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path
     c = meta.config
     _check_expressible(c)
     ours = Transformer(c, meta.vocab_size, vocab.PAD_ID)
-    ours.load_state_dict(weights)  # its weights as the model names them, whatever layout the file has
+    load_weights(ours, weights, model_path, "not the model its metadata describes")  # in today's layout
     model = MarianMTModel(marian_config(c, meta.vocab_size))
     missing, unexpected = model.load_state_dict(
         marian_state_dict(ours.state_dict(), c.encoder_layers, c.decoder_layers), strict=False)

@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from stages.io import PipelineError, atomic_write, read_json, write_json
+from transformer.attention import with_stacked_projections
 from transformer.config import TransformerConfig
 
 # Format 3: attention's projections stacked (q, k and v in one weight, transformer/attention.py), as the
@@ -157,6 +158,20 @@ def write_model(path: str | Path, weights: Weights, meta: ModelMeta) -> None:
     """Weights as safetensors (no pickle, so loading runs no code), with the metadata beside them."""
     with atomic_write(path, "wb") as f:
         f.write(save({k: v.contiguous() for k, v in weights.items()}, metadata={"meta": json.dumps(meta.to_dict())}))
+
+
+def load_weights(model: torch.nn.Module, weights: Weights, path: str | Path, refusal: str) -> None:
+    """`weights`, read from `path`, into `model`, in either layout of attention's products. Weights of
+    other names or shapes are refused before any loads, as "<path>: <refusal>: its weight <name> is ...",
+    naming the first."""
+    weights = with_stacked_projections(model, weights)
+    ours = model.state_dict()
+    for name in sorted(ours.keys() | weights.keys()):
+        theirs = tuple(weights[name].shape) if name in weights else "missing"
+        mine = tuple(ours[name].shape) if name in ours else "missing"
+        if theirs != mine:
+            raise PipelineError(f"{path}: {refusal}: its weight {name} is {theirs}, this model's {mine}")
+    model.load_state_dict(weights)
 
 
 def read_model(path: str | Path) -> tuple[Weights, ModelMeta]:

@@ -31,7 +31,7 @@ from stages.devices import attention_kernels, default_device, keep_freed_host_me
     mixed_precision, peak_flops, processes
 from stages.encode import ParallelIds
 from stages.io import InputPath, OutputPath, PipelineError, Stopped, file_digest, require_dir
-from stages.model_files import ModelMeta, read_model
+from stages.model_files import ModelMeta, load_weights, read_model
 from stages.params import TrainParams
 from stages.progress import Bar
 from stages.train_compile import Compiled, LossFunction, compile_seconds, persistent_gradients
@@ -309,15 +309,8 @@ def compile_step(trainer: Trainer) -> None:
 
 def _start_from(model: Transformer, path: Path) -> None:
     """Load a trained model's weights into `model` (fine-tuning, or one corpus after another); its dropout may
-    differ, not its shape: a model with other weights or shapes is refused, naming the first."""
-    weights, _ = read_model(path)
-    ours = model.state_dict()
-    for name in sorted(ours.keys() | weights.keys()):
-        theirs = tuple(weights[name].shape) if name in weights else "missing"
-        mine = tuple(ours[name].shape) if name in ours else "missing"
-        if theirs != mine:
-            raise PipelineError(f"{path}: cannot start this run: its weight {name} is {theirs}, this model's {mine}")
-    model.load_state_dict(weights)
+    differ, not its shape."""
+    load_weights(model, read_model(path)[0], path, "cannot start this run")
 
 
 def _split(params: TrainParams, processes: int, identity: dict[str, Any], checkpoint_dir: str | Path) -> int:

@@ -55,6 +55,24 @@ def without_key_biases(name: str, weight: torch.Tensor) -> torch.Tensor:
     return weight.chunk(2)[1] if name.endswith("kv_proj.bias") else weight
 
 
+def separate_projections(state: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """A model's weights as files from before attention's products were stacked hold them: q_proj,
+    k_proj and v_proj apart."""
+    d_k, d_v = config.head_dims
+    sizes = {"qkv": (config.n_heads * d_k, config.n_heads * d_k, config.n_heads * d_v),
+             "kv": (config.n_heads * d_k, config.n_heads * d_v)}
+    separate = {}
+    for name, weight in state.items():
+        stacked = name.rsplit(".", 2)[-2]
+        if stacked in ("qkv_proj", "kv_proj"):
+            parts = stacked.removesuffix("_proj")
+            for part, value in zip(parts, weight.split(sizes[parts]), strict=True):
+                separate[name.replace(stacked, f"{part}_proj")] = value
+        else:
+            separate[name] = weight
+    return separate
+
+
 def wait_for(condition, timeout: float, what: str):
     """Poll `condition` until it gives something true (returned), or fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY
+from conftest import TINY, separate_projections
 from pipeline import cli
 from stages import average, decode, export, vocab
 from stages.io import MANIFEST, PipelineError, read_lines
@@ -68,6 +68,23 @@ def test_decode_refuses_a_model_that_is_not_ours(tmp_path):
     (tmp_path / "m.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     with pytest.raises(PipelineError, match="not a model written by this pipeline"):
         read_model(tmp_path / "m.safetensors")
+
+
+def test_a_model_saved_with_attention_products_apart_loads_as_the_same_model(averaged, tmp_path):
+    """Files from before q, k and v were one product decode and export; one with a weight missing is
+    refused before any loads, naming the file and the weight."""
+    weights, meta = read_model(averaged[0])
+    separate = separate_projections(weights, TINY)
+    write_model(tmp_path / "old.safetensors", separate, meta)
+    ours, old = decode.read_transformer(averaged[0]), decode.read_transformer(tmp_path / "old.safetensors")
+    assert ours.state_dict().keys() == old.state_dict().keys()
+    assert all(torch.equal(w, old.state_dict()[name]) for name, w in ours.state_dict().items())
+    del separate["decoder.0.cross_attn.v_proj.weight"]
+    write_model(tmp_path / "partial.safetensors", separate, meta)
+    missing = r"partial.safetensors: not the model its metadata describes: its weight " \
+              r"decoder.0.cross_attn.k_proj.weight is \(32, 32\), this model's missing"
+    with pytest.raises(PipelineError, match=missing):
+        decode.read_transformer(tmp_path / "partial.safetensors")
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,13 @@ import torch
 import transformer.loss as loss_module
 from translate.beam_search import beam_search
 from translate.translator import ModelSteps
+from transformer.attention import with_stacked_projections
 from transformer.config import TransformerConfig
 from transformer.loss import label_smoothed_nll_loss
 from transformer.model import Transformer, training_flops
 from transformer.schedule import inverse_sqrt_rate, linear_decay_rate
 
-from conftest import PAD, tiny_model
+from conftest import PAD, separate_projections, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,18 +120,9 @@ def test_weights_saved_with_separate_projections_load_stacked(head_sizes):
     config = dataclasses.replace(tiny_model().config, **head_sizes)
     torch.manual_seed(5)
     model, other = Transformer(config, 23, PAD).eval(), Transformer(config, 23, PAD).eval()
-    separate = {}
-    for name, weight in model.state_dict().items():
-        stacked = name.rsplit(".", 2)[-2]
-        if stacked in ("qkv_proj", "kv_proj"):
-            parts = stacked.removesuffix("_proj")  # "qkv" or "kv"
-            sizes = model.encoder[0].self_attn.sizes[3 - len(parts):]
-            for part, value in zip(parts, weight.split(sizes), strict=True):
-                separate[name.replace(stacked, f"{part}_proj")] = value
-        else:
-            separate[name] = weight
+    separate = separate_projections(model.state_dict(), config)
     assert "decoder.0.cross_attn.k_proj.bias" in separate and "encoder.1.self_attn.v_proj.weight" in separate
-    other.load_state_dict(separate)
+    other.load_state_dict(with_stacked_projections(other, separate))
     assert all(torch.equal(other.state_dict()[name], w) for name, w in model.state_dict().items())
     src, tgt = torch.randint(4, 23, (2, 5)), torch.randint(4, 23, (2, 4))
     with torch.no_grad():

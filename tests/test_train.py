@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, freed_bytes_kept, train_command, train_params, train_params_file
+from conftest import TINY, freed_bytes_kept, separate_projections, train_command, train_params, \
+    train_params_file
 from stages import train
 from stages.batching import BatchSampler
 from stages.devices import default_device
 from stages.io import PipelineError
 from stages.checkpoint import Checkpointer, Processes, Schedule
-from stages.model_files import ModelMeta, current_dir, list_checkpoints, read_checkpoint, write_checkpoint
+from stages.model_files import ModelMeta, current_dir, list_checkpoints, read_checkpoint, write_checkpoint, \
+    write_model
 from stages.train_metrics import MetricsWindow, Progress, StepMetrics, summary, write_curves
 from transformer.config import TransformerConfig
 from transformer.schedule import inverse_sqrt_rate, linear_decay_rate
@@ -145,6 +147,19 @@ def test_a_run_started_from_trained_weights_begins_at_them_in_a_folder_of_its_ow
     shapes = r"cannot start this run: its weight decoder.0.ffn.net.0.bias is \(64,\), this model's \(128,\)"
     with pytest.raises(PipelineError, match=shapes):
         run(dataclasses.replace(TINY, d_ff=128))
+
+
+def test_a_run_starts_from_a_model_saved_with_attention_products_apart(trained, encoded, vocab_dir, tmp_path):
+    """An averaged model from before q, k and v were one product starts a run at the same weights."""
+    checkpoint = read_checkpoint(list_checkpoints(trained[0])[-1][1])
+    old = tmp_path / "old.safetensors"
+    write_model(old, separate_projections(checkpoint.parts["model"], TINY), checkpoint.meta)
+    train.run(TINY, train_params(max_steps=0), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+              checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p", init_weights=old)
+    begun = read_checkpoint(list_checkpoints(current_dir(tmp_path / "c"))[-1][1]).parts["model"]
+    assert "encoder.0.self_attn.k_proj.weight" not in begun and begun.keys() == checkpoint.parts["model"].keys()
+    for name, weight in checkpoint.parts["model"].items():
+        torch.testing.assert_close(begun[name], weight, rtol=0, atol=0)
 
 
 def _accelerator():

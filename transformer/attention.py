@@ -53,7 +53,6 @@ class MultiHeadAttention(nn.Module):
             self.q_proj = nn.Linear(d_model, self.sizes[0])
             self.kv_proj = nn.Linear(d_model, sum(self.sizes[1:]))
         self.out_proj = nn.Linear(n_heads * d_v, d_model)
-        self.register_load_state_dict_pre_hook(_stack_separate_projections)
 
     @property
     def self_attention(self) -> bool:
@@ -119,10 +118,17 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(y if packing is None else packing.pack(y))
 
 
-def _stack_separate_projections(module: MultiHeadAttention, state: dict[str, Tensor], prefix: str, *args) -> None:
-    """Weights saved with separate products (q_proj, k_proj, v_proj) load stacked."""
-    name, parts = ("qkv_proj", "qkv") if module.self_attention else ("kv_proj", "kv")
-    for leaf in ("weight", "bias"):
-        keys = [f"{prefix}{part}_proj.{leaf}" for part in parts]
-        if all(key in state for key in keys):
-            state[f"{prefix}{name}.{leaf}"] = torch.cat([state.pop(key) for key in keys])
+def with_stacked_projections(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`state` in `model`'s names: any attention's products saved apart (q_proj, k_proj, v_proj, as files
+    from before they were one product hold them) stacked, so that it loads."""
+    state = dict(state)
+    for prefix, module in model.named_modules():
+        if not isinstance(module, MultiHeadAttention):
+            continue
+        at = f"{prefix}." if prefix else ""
+        name, parts = ("qkv_proj", "qkv") if module.self_attention else ("kv_proj", "kv")
+        for leaf in ("weight", "bias"):
+            keys = [f"{at}{part}_proj.{leaf}" for part in parts]
+            if all(key in state for key in keys):
+                state[f"{at}{name}.{leaf}"] = torch.cat([state.pop(key) for key in keys])
+    return state
