@@ -219,12 +219,13 @@ def test_a_trainer_leaves_the_process_as_it_found_it(encoded, vocab_dir):
         trainer.close()
 
 
-def test_auto_precision_is_bf16_on_gpus_that_have_it_and_on_cpus_with_bf16_matrix_units(monkeypatch):
+def test_auto_precision_is_bf16_on_gpus_that_have_it_and_on_cpus_with_fast_bf16_products(monkeypatch):
     from stages import devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for units, expected in ((True, "bf16"), (False, "no")):
-        monkeypatch.setattr(devices, "has_bf16_matrix_units", lambda units=units: units)
+    for amx, avx512_bf16, expected in ((True, False, "bf16"), (False, True, "bf16"), (False, False, "no")):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda avx512_bf16=avx512_bf16: avx512_bf16)
         assert devices.mixed_precision("auto") == expected
         assert devices.mixed_precision("fp32") == "no" and devices.mixed_precision("bf16") == "bf16"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
