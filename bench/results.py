@@ -27,17 +27,28 @@ PAGE = ROOT / "docs" / "performance.md"
 STEAL_WARNING = 0.02  # a run that lost more than this to other guests says so: a rate off by more than 2%
 
 
-def machine() -> dict[str, Any]:
-    """What ran the bench: the GPU's name where torch sees one, the CPU's model and cores always."""
-    cpu = platform.processor() or platform.machine()
+# The instruction sets a CPU's training speed turns on, by /proc/cpuinfo's names: one model name covers
+# CPUs with and without them (an AMD EPYC with AVX512-BF16 trains bf16 at 1.87x fp32, stages/devices.py).
+ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
+
+
+def machine(cpuinfo: str | None = None) -> dict[str, Any]:
+    """What ran the bench: the GPU's name where torch sees one, the CPU's model, cores and the instruction
+    sets of ISA_FLAGS it has always (from /proc/cpuinfo, or `cpuinfo`)."""
+    cpu, flags = platform.processor() or platform.machine(), set()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
     except OSError:
-        pass
-    found: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "gpu": None}
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            cpu = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+            break
+    found: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "gpu": None,
+                             "isa": [name for flag, name in ISA_FLAGS.items() if flag in flags]}
     if "torch" in sys.modules:
         import torch
 
@@ -154,7 +165,8 @@ def render(results_dir: Path | None = None) -> str:
         lines += [f"## bench.{bench}", ""]
         for r in sorted((r for r in results if r["bench"] == bench), key=lambda r: (r["case"], r["date"])):
             m = r["machine"]
-            where = m["gpu"] or f"{m['cpu']}, {m['cores']} cores"
+            isa = f" ({', '.join(m['isa'])})" if m.get("isa") else ""
+            where = m["gpu"] or f"{m['cpu']}{isa}, {m['cores']} cores"
             lines += [f"### {r['title']}", "",
                       f"{where}; torch {m.get('torch', 'not loaded')}; commit {r['commit']}; {r['date']}"
                       + (f"; CPU time taken by the host (steal): {r['cpu_steal']:.1%}" if "cpu_steal" in r else "")

@@ -39,6 +39,17 @@ def test_a_recorded_result_names_its_command_machine_commit_and_date_and_renders
     assert path.name.startswith("demo--two-rows--")
 
 
+def test_a_result_names_the_instruction_sets_that_set_a_cpus_training_speed(tmp_path, monkeypatch):
+    zen4 = ("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16\n"
+            "processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16\n")
+    found = results.machine(zen4)
+    assert found["cpu"] == "AMD EPYC" and found["isa"] == ["AVX2", "AVX-512", "AVX512-BF16"]
+    assert results.machine("model name\t: Old\nflags\t\t: fpu sse2\n")["isa"] == []
+    monkeypatch.setattr(results, "machine", lambda: {**found, "cores": 2})
+    results.record("demo", "isa", "A demo", [{"system": "ours", "tokens/s": 1.0}], "1.00x", results_dir=tmp_path)
+    assert "AMD EPYC (AVX2, AVX-512, AVX512-BF16), 2 cores; " in results.render(tmp_path)
+
+
 def test_a_result_from_code_no_commit_holds_says_so_but_not_for_results_alone(tmp_path):
     def git(*args: str) -> None:
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
