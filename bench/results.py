@@ -132,7 +132,10 @@ def record(bench: str, case: str, title: str, rows: list[dict[str, Any]], summar
         if stolen >= STEAL_WARNING:
             print(f"warning: the hypervisor took {stolen:.1%} of this run's CPU time (steal): "
                   "its rates and minutes are low by about as much; rerun when the host is quiet", flush=True)
-    where = found["gpu"] or f"{found['cpu']} {found['cores']} cores"
+    # The widest instruction set goes into the name, so CPUs under one model name (AMD EPYC with and
+    # without AVX512-BF16) keep a file each instead of replacing each other's.
+    widest = found["isa"][-1:] if found.get("isa") else []
+    where = found["gpu"] or " ".join([found["cpu"], *widest, f"{found['cores']} cores"])
     folder = results_dir or Path(os.environ.get("BENCH_RESULTS", RESULTS))
     out = folder / f"{_slug(bench)}--{_slug(case)}--{_slug(where)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,14 @@ def test_a_result_names_the_instruction_sets_that_set_a_cpus_training_speed(tmp_
     assert found["cpu"] == "AMD EPYC" and found["isa"] == ["AVX2", "AVX-512", "AVX512-BF16"]
     assert results.machine("model name\t: Old\nflags\t\t: fpu sse2\n")["isa"] == []
     monkeypatch.setattr(results, "machine", lambda: {**found, "cores": 2})
-    results.record("demo", "isa", "A demo", [{"system": "ours", "tokens/s": 1.0}], "1.00x", results_dir=tmp_path)
+    zen4_file = results.record("demo", "isa", "A demo", [{"system": "ours", "tokens/s": 1.0}], "1.00x",
+                               results_dir=tmp_path)
     assert "AMD EPYC (AVX2, AVX-512, AVX512-BF16), 2 cores; " in results.render(tmp_path)
+    monkeypatch.setattr(results, "machine", lambda: {**found, "cores": 2, "isa": ["AVX2"]})
+    zen3_file = results.record("demo", "isa", "A demo", [{"system": "ours", "tokens/s": 2.0}], "1.00x",
+                               results_dir=tmp_path)
+    assert zen4_file.name == "demo--isa--amd-epyc-avx512-bf16-2-cores.json"
+    assert zen3_file.name == "demo--isa--amd-epyc-avx2-2-cores.json" and zen4_file.is_file()  # one file each
 
 
 def test_a_result_from_code_no_commit_holds_says_so_but_not_for_results_alone(tmp_path):
