@@ -117,15 +117,18 @@ def portable(arg: str) -> str:
 
 
 def record(bench: str, case: str, title: str, rows: list[dict[str, Any]], summary: str,
-           results_dir: Path | None = None, argv: list[str] | None = None) -> Path:
+           results_dir: Path | None = None, argv: list[str] | None = None,
+           tables: dict[str, list[dict[str, Any]]] | None = None) -> Path:
     """Write one bench run's figures: `rows` a table (one dict per system or size, the same keys),
     `summary` its one-line conclusion (the ratio), `case` what distinguishes this run's work from
-    the bench's other cases (e.g. '20 sentences')."""
+    the bench's other cases (e.g. '20 sentences'); `tables` more of the same run's tables by their
+    captions (e.g. a profile)."""
     found = machine()
     result = {"bench": bench, "case": case, "title": title, "rows": rows, "summary": summary,
               "command": " ".join(["python -m", f"bench.{bench}",
                                    *map(portable, sys.argv[1:] if argv is None else argv)]),
-              "machine": found, "commit": _commit(), "date": datetime.date.today().isoformat()}
+              "machine": found, "commit": _commit(), "date": datetime.date.today().isoformat(),
+              **({"tables": tables} if tables else {})}
     stolen = stolen_share(START_TICKS, cpu_ticks())
     if stolen is not None:
         result["cpu_steal"] = round(stolen, 4)
@@ -154,6 +157,14 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    keys = list(rows[0])
+    return ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys),
+            *("| " + " | ".join(_cell(row.get(k, "")) for k in keys) + " |" for row in rows), ""]
+
+
 def render(results_dir: Path | None = None) -> str:
     """The page: each bench's results, newest machine kind first within a bench."""
     results = [json.loads(p.read_text(encoding="utf-8")) for p in sorted((results_dir or RESULTS).glob("*.json"))]
@@ -175,12 +186,10 @@ def render(results_dir: Path | None = None) -> str:
                       + (f"; CPU time taken by the host (steal): {r['cpu_steal']:.1%}" if "cpu_steal" in r else "")
                       + (f" ({r['source']})" if r.get("source") else ""), "",
                       "```", r["command"], "```", ""]
-            if r["rows"]:
-                keys = list(r["rows"][0])
-                lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-                lines += ["| " + " | ".join(_cell(row.get(k, "")) for k in keys) + " |" for row in r["rows"]]
-                lines.append("")
+            lines += _table(r["rows"])
             lines += [f"**{r['summary']}**", ""]
+            for caption, rows in r.get("tables", {}).items():
+                lines += [f"{caption}:", "", *_table(rows)]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

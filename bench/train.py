@@ -17,7 +17,9 @@ kernels (`--torch-attention` leaves torch's choice), so two runs show what a set
 `--separate-projections` also times ours with attention's q, k and v as three products (slices of the
 same weights), in the same alternation. `--compile step` compiles both models' steps as train.compile
 true does, `--compile loss` both losses alone as train.compile loss does (`--compile` alone: step), and
-`--against-eager` also times ours eager with the same weights, in the same alternation.
+`--against-eager` also times ours eager with the same weights, in the same alternation. `--profile N`
+then profiles N of ours' steps and records where their time goes, with the matrix products' share and
+rate.
 """
 from __future__ import annotations
 
@@ -111,6 +113,27 @@ def marian(config: TransformerConfig, vocab_size: int, compiled: str = "none"):
                        decoder_attention_mask=tgt_in.ne(PAD_ID)).logits
         return cross_entropy(logits, tgt_out)
     return (model, torch.compile(loss, dynamic=True)) if compiled == "step" else (model, loss)
+
+
+PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")  # matrix products, by the profiler's names
+
+
+def where_time_goes(events: list, steps: int, top: int = 12) -> tuple[list[dict], str]:
+    """A profile's operations by self CPU time (a step's milliseconds, their share), the largest `top`,
+    and one line of the matrix products' share and rate (the profiler's count of their FLOPs)."""
+    def gflops(flops: float, microseconds: float) -> float:
+        return flops / microseconds / 1e3 if microseconds else 0.0
+
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    rows = [{"operation": e.key, "calls a step": round(e.count / steps),
+             "self ms a step": round(e.self_cpu_time_total / steps / 1e3, 2),
+             "share": f"{e.self_cpu_time_total / total:.1%}",
+             "GFLOP/s": round(gflops(e.flops, e.self_cpu_time_total)) if e.key in PRODUCTS else ""}
+            for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]]
+    products = [e for e in events if e.key in PRODUCTS]
+    spent = sum(e.self_cpu_time_total for e in products)
+    rate = gflops(sum(e.flops for e in products), spent)
+    return rows, f"matrix products {spent / total:.0%} of ours' profiled step time, at {rate:,.0f} GFLOP/s"
 
 
 def main() -> None:
@@ -235,21 +258,26 @@ def main() -> None:
         if variant in rate:
             summary += f"; ours / {variant}: {rate['ours'] / rate[variant]:.2f}x"
     print(summary)
+    tables = {}
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof, kernels():
+        with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof, kernels():
             for batch in data[: args.profile]:
                 step("ours", *batch)
         print(f"Where {args.profile} of ours' steps spend their time (self CPU time, the largest first):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        profiled, products = where_time_goes(list(prof.key_averages()), min(args.profile, len(data)))
+        print(products)
+        summary += f"; {products}"
+        tables[f"Where {args.profile} of ours' steps spend their time (self CPU time, the largest first)"] = profiled
     how = (COMPILED[args.compile] + (", default malloc" if args.default_malloc else "")
            + (", torch's attention" if args.torch_attention else "")
            + (", with q k v apart" if args.separate_projections else "")
            + (", against eager" if args.against_eager else ""))
     record("train", f"{args.preset} {args.precision} {args.batch_tokens}{how}",
            f"Training steps, {args.preset} model, {args.precision}{how}, {args.batch_tokens} tokens a side",
-           rows, summary)
+           rows, summary, tables=tables)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,36 @@ def test_a_recorded_result_names_its_command_machine_commit_and_date_and_renders
     assert path.name.startswith("demo--two-rows--")
 
 
+def test_a_results_further_tables_render_under_their_captions(tmp_path):
+    results.record("demo", "tables", "A demo", [{"system": "ours", "tokens/s": 1.0}], "1.00x", results_dir=tmp_path,
+                   tables={"Where its time goes": [{"operation": "aten::mm", "share": "80.0%"}]})
+    page = results.render(tmp_path)
+    assert "**1.00x**\n\nWhere its time goes:\n\n| operation | share |\n|---|---|\n| aten::mm | 80.0% |" in page
+
+
+def test_a_profiles_matrix_products_are_counted_at_their_own_flops():
+    """bench.train's profile table: a step's calls and milliseconds, and the products' share and rate from
+    the FLOPs of the shapes profiled (2 n^3 for an n x n product)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.train import where_time_goes
+
+    a = torch.randn(128, 128)
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        for _ in range(3):
+            torch.mm(a, a).exp()
+    events = list(prof.key_averages())
+    mm = next(e for e in events if e.key == "aten::mm")
+    assert mm.flops == 3 * 2 * 128**3
+    rows, line = where_time_goes(events, steps=3)
+    row = next(r for r in rows if r["operation"] == "aten::mm")
+    assert row["calls a step"] == 1 and row["GFLOP/s"] == round(mm.flops / mm.self_cpu_time_total / 1e3)
+    assert next(r for r in rows if r["operation"] == "aten::exp")["GFLOP/s"] == ""
+    share = mm.self_cpu_time_total / sum(e.self_cpu_time_total for e in events)
+    assert line.startswith(f"matrix products {share:.0%} of ours' profiled step time, at ")
+
+
 def test_a_result_names_the_instruction_sets_that_set_a_cpus_training_speed(tmp_path, monkeypatch):
     zen4 = ("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16\n"
             "processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16\n")
