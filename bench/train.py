@@ -124,12 +124,15 @@ def where_time_goes(events: list, steps: int, top: int = 12) -> tuple[list[dict]
     def gflops(flops: float, microseconds: float) -> float:
         return flops / microseconds / 1e3 if microseconds else 0.0
 
-    total = sum(e.self_cpu_time_total for e in events) or 1
-    rows = [{"operation": e.key, "calls a step": round(e.count / steps),
-             "self ms a step": round(e.self_cpu_time_total / steps / 1e3, 2),
-             "share": f"{e.self_cpu_time_total / total:.1%}",
-             "GFLOP/s": round(gflops(e.flops, e.self_cpu_time_total)) if e.key in PRODUCTS else ""}
-            for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]]
+    by_name: dict[str, list[float]] = {}  # calls, self microseconds, FLOPs
+    for e in events:  # inductor's graphs named as one, not by their hashes
+        name = "inductor's compiled graphs" if e.key.startswith("## Call CompiledFxGraph") else e.key
+        calls, spent, flops = by_name.setdefault(name, [0, 0.0, 0.0])
+        by_name[name] = [calls + e.count, spent + e.self_cpu_time_total, flops + e.flops]
+    total = sum(spent for _, spent, _ in by_name.values()) or 1
+    rows = [{"operation": name, "calls a step": round(calls / steps), "self ms a step": round(spent / steps / 1e3, 2),
+             "share": f"{spent / total:.1%}", "GFLOP/s": round(gflops(flops, spent)) if name in PRODUCTS else ""}
+            for name, (calls, spent, flops) in sorted(by_name.items(), key=lambda kv: kv[1][1], reverse=True)[:top]]
     products = [e for e in events if e.key in PRODUCTS]
     spent = sum(e.self_cpu_time_total for e in products)
     rate = gflops(sum(e.flops for e in products), spent)

@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -67,6 +68,11 @@ def test_a_profiles_matrix_products_are_counted_at_their_own_flops():
     assert next(r for r in rows if r["operation"] == "aten::exp")["GFLOP/s"] == ""
     share = mm.self_cpu_time_total / sum(e.self_cpu_time_total for e in events)
     assert line.startswith(f"matrix products {share:.0%} of ours' profiled step time, at ")
+    graphs = [SimpleNamespace(key=f"## Call CompiledFxGraph {h} ##", count=3, self_cpu_time_total=1e9, flops=0)
+              for h in ("f4chm", "facjw")]  # a forward and a backward, by inductor's hashes
+    rows, _ = where_time_goes([*events, *graphs], steps=3)
+    assert rows[0] == {"operation": "inductor's compiled graphs", "calls a step": 2, "self ms a step": 666666.67,
+                       "share": f"{2e9 / (2e9 + sum(e.self_cpu_time_total for e in events)):.1%}", "GFLOP/s": ""}
 
 
 def test_a_result_names_the_instruction_sets_that_set_a_cpus_training_speed(tmp_path, monkeypatch):
