@@ -32,9 +32,8 @@ test-data:  ## the real text the tests read (WMT14 test sets and samples, Multi3
             ## public repositories, pinned by commit and checked by sha256, into .test-data (none needed where ../shared/data is)
 	$(PY) -m corpora.shared
 
-# The modules that run the whole pipeline, in order, on one shared copy of the project (tests/conftest.py: repo)
-CHAIN := tests/test_pipeline.py tests/test_pipeline_experiments.py tests/test_pipeline_processes.py \
-         tests/test_pipeline_stops.py tests/test_pipeline_team.py
+# The modules that run the whole pipeline on one shared copy of the project, in name order (tests/conftest.py: repo)
+CHAIN := $(sort $(wildcard tests/test_pipeline*.py))
 
 test:  ## lint, then the whole suite, as CI runs it: CHAIN and the rest side by side, one thread each (a process
        ## mostly waits on subprocess start-ups, so one alone keeps about one core busy; two threads each would
@@ -42,8 +41,9 @@ test:  ## lint, then the whole suite, as CI runs it: CHAIN and the rest side by 
 	$(VENV)/bin/ruff check .
 	@log=$$(mktemp); \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 $(CHAIN) >$$log 2>&1 & chain=$$!; \
+	trap 'kill $$chain 2>/dev/null' INT TERM; \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=10 $(addprefix --ignore=,$(CHAIN)); rest=$$?; \
-	wait $$chain; ok=$$?; echo "== the pipeline modules ($(CHAIN)):"; cat $$log; rm -f $$log; \
+	wait $$chain; ok=$$?; echo "== the pipeline modules, $(CHAIN):"; cat $$log; rm -f $$log; \
 	test $$rest -eq 0 -a $$ok -eq 0
 
 test-fast:  ## everything but the tests marked slow (the whole flow, torchrun): under two minutes

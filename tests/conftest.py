@@ -286,8 +286,8 @@ def newest_runs(repo: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def repo(tmp_path_factory) -> Path:
-    """One copy for the slow modules, which run in name order: test_pipeline (a first quickstart and
-    what it leaves), test_pipeline_experiments, test_pipeline_stops."""
+    """One copy for the test_pipeline*.py modules, which run in name order in one process (`make test`'s
+    CHAIN): test_pipeline (a first quickstart and what it leaves), then each module after the one before."""
     return copy_project(tmp_path_factory)
 
 
