@@ -51,14 +51,16 @@ def settings(overrides: dict[str, Any] | None = None, presets: tuple[str, ...] =
     return layered({**collect_overrides(list(presets), []), **(overrides or {})}, name, text)
 
 
-MODELS = ("base", "big", "tiny", "multi30k")
+MODELS = ("base", "big", "tiny", "multi30k", "multi30k-amx")
 
 
 def model_settings(name: str) -> Params:
     """The settings of a model's name: base (params.yaml as committed: the paper's), big or multi30k (the
-    presets on it), or tiny."""
+    presets on it), multi30k-amx (that preset layered after multi30k, as it runs), or tiny."""
     return {"base": lambda: settings(), "big": lambda: settings(presets=("big",)),
-            "multi30k": lambda: settings(presets=("multi30k",)), "tiny": lambda: settings(TINY)}[name]()
+            "multi30k": lambda: settings(presets=("multi30k",)),
+            "multi30k-amx": lambda: settings(presets=("multi30k", "multi30k-amx")),
+            "tiny": lambda: settings(TINY)}[name]()
 
 
 def model_config(name: str):

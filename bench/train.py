@@ -15,11 +15,12 @@ stage's settings (stages/devices.py): on CPUs glibc's allocator as it sets it (`
 leaves it as it comes) and oneDNN keeping the kernels of every shape, and everywhere its attention
 kernels (`--torch-attention` leaves torch's choice), so two runs show what a setting is worth;
 `--separate-projections` also times ours with attention's q, k and v as three products (slices of the
-same weights), in the same alternation. `--compile step` compiles both models' steps as train.compile
-true does, `--compile loss` both losses alone as train.compile loss does (`--compile` alone: step), and
-`--against-eager` also times ours eager with the same weights, in the same alternation. `--profile N`
-then profiles N of ours' steps and records where their time goes, with the matrix products' share and
-rate.
+same weights), in the same alternation, and `--torch-dropout` ours with torch's own dropout masks where
+the train stage draws them in bulk (on CPUs, the model eager: stages/train_dropout.py). `--compile step`
+compiles both models' steps as train.compile true does, `--compile loss` both losses alone as
+train.compile loss does (`--compile` alone: step), and `--against-eager` also times ours eager with the
+same weights, in the same alternation. `--profile N` then profiles N of ours' steps and records where
+their time goes, with the matrix products' share and rate.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from stages.batching import collate, token_batches
 from stages.devices import attention_kernels, default_device, keep_freed_host_memory, keep_generated_kernels
 from stages.train import forward_loss
 from stages.train_compile import Compiled, compile_seconds
+from stages.train_dropout import bulk_dropout
 from stages.vocab import PAD_ID
 from bench.common import CORPORA, MODELS, model_settings
 from bench.results import record
@@ -78,14 +80,18 @@ def separately(attention: MultiHeadAttention, query: torch.Tensor,
     return (*parts,) if memory is None else (attention.q_proj(query), *parts)
 
 
-SEPARATE, EAGER = "ours, q k v apart", "ours, eager"
+SEPARATE, EAGER, TORCH_DROPOUT = "ours, q k v apart", "ours, eager", "ours, torch's dropout"
 COMPILED = {"none": "", "step": ", compiled", "loss": ", loss compiled"}  # as a result's case names it
 
 
-def ours(config: TransformerConfig, vocab_size: int, separate_projections: bool = False, compiled: str = "none"):
+def ours(config: TransformerConfig, vocab_size: int, separate_projections: bool = False, compiled: str = "none",
+         bulk: bool = False):
     """The train stage's own micro-batch: its model and loss as one function, `compiled` ("step", "loss" or
-    "none") as train.compile_step compiles it."""
+    "none") as train.compile_step compiles it; `bulk`: its dropout drawn in bulk, as the Trainer draws it where
+    the model runs eager on a CPU."""
     model = Transformer(config, vocab_size, PAD_ID)
+    if bulk:
+        bulk_dropout(model)
     for module in model.modules() if separate_projections else ():
         if isinstance(module, MultiHeadAttention):
             module.project = functools.partial(separately, module)
@@ -142,7 +148,8 @@ def where_time_goes(events: list, steps: int, top: int = 12) -> tuple[list[dict]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=MODELS, default="base",
-                    help="the model (multi30k: the preset's, on Multi30k's lengths; the others on WMT14's)")
+                    help="the model (multi30k, multi30k-amx: the preset's, on Multi30k's lengths; the others on "
+                         "WMT14's)")
     ap.add_argument("--vocab-size", type=int, help="default: the preset's")
     ap.add_argument("--batch-tokens", type=int, default=3000, help="per side per step")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per model")
@@ -160,6 +167,8 @@ def main() -> None:
                     help="leave scaled_dot_product_attention's kernel to torch, not as the train stage picks it")
     ap.add_argument("--separate-projections", action="store_true",
                     help="also time ours with attention's q, k and v as three products, not one of the stacked weights")
+    ap.add_argument("--torch-dropout", action="store_true",
+                    help="also time ours with torch's dropout, where the train stage draws its masks in bulk")
     args = ap.parse_args()
 
     device = default_device()
@@ -170,20 +179,27 @@ def main() -> None:
     torch.manual_seed(0)
     chosen = model_settings(args.preset)
     config, args.vocab_size = chosen.model, args.vocab_size or chosen.vocab.vocab_size
-    text = CORPORA["multi30k" if args.preset == "multi30k" else "europarl"]["train"]
+    text = CORPORA["multi30k" if args.preset.startswith("multi30k") else "europarl"]["train"]
     data = batches(args.batch_tokens, args.vocab_size, args.steps, text)
     runs = {}
     if args.against_eager and args.compile == "none":
         ap.error("--against-eager times ours eager beside ours compiled: give --compile step or loss")
-    builds = [("ours", functools.partial(ours, compiled=args.compile)),
+    bulk = device.type == "cpu" and args.compile != "step"  # as the Trainer decides
+    if args.torch_dropout and not (bulk and config.dropout > 0):
+        ap.error("--torch-dropout: the train stage draws dropout in bulk only on CPUs with the model eager "
+                 "(--compile none or loss), and this model's dropout is 0 (--preset multi30k-amx has 0.1)"
+                 if bulk else "--torch-dropout: the train stage keeps torch's dropout here (a GPU, or --compile step)")
+    builds = [("ours", functools.partial(ours, compiled=args.compile, bulk=bulk)),
               ("MarianMT (transformers)", functools.partial(marian, compiled=args.compile))]
     if args.separate_projections:
-        builds.append((SEPARATE, functools.partial(ours, separate_projections=True, compiled=args.compile)))
+        builds.append((SEPARATE, functools.partial(ours, separate_projections=True, compiled=args.compile, bulk=bulk)))
     if args.against_eager:
-        builds.append((EAGER, ours))
+        builds.append((EAGER, functools.partial(ours, bulk=bulk)))
+    if args.torch_dropout:
+        builds.append((TORCH_DROPOUT, functools.partial(ours, compiled=args.compile)))
     for name, build in builds:
         model, step_fn = build(config, args.vocab_size)
-        if name in (SEPARATE, EAGER):
+        if name in (SEPARATE, EAGER, TORCH_DROPOUT):
             model.load_state_dict(runs["ours"][0].state_dict())  # the same weights, computed apart or eager
         model.to(device).train()
         runs[name] = (model, step_fn, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
@@ -219,7 +235,7 @@ def main() -> None:
     def kernels() -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if args.torch_attention else attention_kernels(device, precision)
 
-    for variant in (SEPARATE, EAGER):  # the same weights compute what ours computes, before either trains
+    for variant in (SEPARATE, EAGER, TORCH_DROPOUT):  # the same weights compute ours' function, before either trains
         if variant not in runs:
             continue
         losses = []
@@ -257,7 +273,7 @@ def main() -> None:
                      "step time varies": f"{spread:.0%}", "page faults a step": pages,
                      **({"compile s": round(compiling[name], 1)} if args.compile != "none" else {})})
     summary = f"ours / MarianMT: {rate['ours'] / rate['MarianMT (transformers)']:.2f}x"
-    for variant in (SEPARATE, EAGER):
+    for variant in (SEPARATE, EAGER, TORCH_DROPOUT):
         if variant in rate:
             summary += f"; ours / {variant}: {rate['ours'] / rate[variant]:.2f}x"
     print(summary)
@@ -277,6 +293,7 @@ def main() -> None:
     how = (COMPILED[args.compile] + (", default malloc" if args.default_malloc else "")
            + (", torch's attention" if args.torch_attention else "")
            + (", with q k v apart" if args.separate_projections else "")
+           + (", against torch's dropout" if args.torch_dropout else "")
            + (", against eager" if args.against_eager else ""))
     record("train", f"{args.preset} {args.precision} {args.batch_tokens}{how}",
            f"Training steps, {args.preset} model, {args.precision}{how}, {args.batch_tokens} tokens a side",

@@ -259,6 +259,50 @@ def test_a_bf16_step_on_cpus_takes_the_math_attention_and_follows_fp32s_gradient
     assert float((rounded - exact).norm()) <= 0.05 * float(exact.norm())  # bf16 keeps 8 bits of mantissa
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_drawn_in_bulk_is_torchs_dropout_with_masks_from_torchs_seed(dtype):
+    """BulkDropout (the CPU step's, stages/train_dropout.py) against torch's own: the units it drops, the
+    scale of those it keeps and the gradient; its masks follow torch's generator and nothing else."""
+    from stages.train_dropout import BulkDropout
+
+    p, shape = 0.1, (64, 2000)
+    bulk, reference = BulkDropout(p).train(), torch.nn.Dropout(p).train()
+    x = torch.rand(shape, dtype=dtype) + 0.5  # no unit is zero before dropout
+    torch.manual_seed(5)
+    kept = (reference(x) != 0).float().mean()
+    torch.manual_seed(5)
+    x.requires_grad_(True)
+    out = bulk(x)
+    out.backward(torch.ones_like(out))
+    dropped = out == 0
+    sigma = (p * (1 - p) / out.numel()) ** 0.5
+    assert abs(float(dropped.float().mean()) - p) < 5 * sigma and abs(float(kept) - (1 - p)) < 5 * sigma
+    pairs = (dropped[:, :-1] & dropped[:, 1:]).float().mean()  # neighbours (one 64-bit draw's) drop independently
+    assert abs(float(pairs) - p * p) < 5 * (p * p / out.numel()) ** 0.5
+    scale = torch.tensor(1 / (1 - p), dtype=dtype)  # what torch's dropout scales by, in x's dtype
+    close = {"rtol": 1e-4 if dtype == torch.float32 else 0, "atol": 0}  # p kept to within 2^-17
+    torch.testing.assert_close(out[~dropped], (x * scale)[~dropped], **close)
+    assert out.dtype == dtype
+    torch.testing.assert_close(x.grad, torch.where(dropped, 0, scale).to(dtype), **close)
+    torch.manual_seed(5)
+    assert torch.equal(bulk(x) == 0, dropped) and not torch.equal(bulk(x) == 0, dropped)  # reseeded: the same
+    torch.manual_seed(5)
+    assert torch.equal(bulk(x.float().detach()) == 0, dropped)  # the mask does not depend on the dtype
+    assert bulk.eval()(x) is x
+
+
+@pytest.mark.parametrize("compiled", ["loss", True])
+def test_a_cpu_trainer_draws_dropout_in_bulk_where_its_model_runs_eager(encoded, vocab_dir, compiled):
+    from stages.train_dropout import BulkDropout
+
+    trainer = train.Trainer(TINY, train_params(compile=compiled), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+                            accelerator=_accelerator())
+    layers = [type(m) for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout | BulkDropout)]
+    bulk = default_device().type == "cpu" and compiled is not True  # compiled, inductor draws the masks
+    assert layers and set(layers) == ({BulkDropout} if bulk else {torch.nn.Dropout})
+    trainer.close()
+
+
 def test_auto_compiles_the_step_on_gpus_its_loss_on_cpus_and_a_run_resumes_across_them(encoded, vocab_dir):
     auto = train_params(compile="auto")
     assert auto.resolved(gpu=True).compile is True and auto.resolved(gpu=False).compile == "loss"
@@ -489,23 +533,34 @@ def test_only_log_and_save_steps_read_from_the_device(encoded, vocab_dir, tmp_pa
     """Every call that reads a tensor's value back to the host (or indexes with a boolean mask, which
     does), watched as torch dispatches them through a whole run with gradient accumulation: the steps
     between log rows, validation and checkpoints read nothing (their agreement travels in pinned
-    memory and is read a step late, without torch)."""
+    memory and is read a step late, without torch). On CPUs dropout drawn in bulk reads its seed from
+    host memory, which waits on nothing: that read alone is not watched."""
     from torch.overrides import TorchFunctionMode
+
+    from stages.train_dropout import BulkDropout
 
     class Watch(TorchFunctionMode):
         def __init__(self):
             super().__init__()
-            self.reads = []
+            self.reads, self.seeding = [], False
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             name = getattr(func, "__name__", str(func))
             masked = name in ("__getitem__", "__setitem__") and isinstance(args[1], torch.Tensor) \
                 and args[1].dtype == torch.bool
-            if name in SYNCS or masked:
+            if (name in SYNCS or masked) and not self.seeding:
                 self.reads.append(name)
             return func(*args, **(kwargs or {}))
 
-    watch, step = Watch(), train.Trainer.train_step
+    watch, step, seed = Watch(), train.Trainer.train_step, BulkDropout.seed
+
+    def seeding():
+        watch.seeding = True
+        try:
+            return seed()
+        finally:
+            watch.seeding = False
+    monkeypatch.setattr(BulkDropout, "seed", staticmethod(seeding))
 
     def marked(self, *args, **kwargs):
         watch.reads.append(self.progress.step + 1)  # what follows happened in (or after) this step
