@@ -41,7 +41,7 @@ from stages.batching import collate, token_batches
 from stages.devices import attention_kernels, default_device, keep_freed_host_memory, keep_generated_kernels
 from stages.train import forward_loss
 from stages.train_compile import Compiled, compile_seconds
-from stages.train_dropout import bulk_dropout
+from stages.train_dropout import bulk_dropout, draws_in_bulk
 from stages.vocab import PAD_ID
 from bench.common import CORPORA, MODELS, model_settings
 from bench.results import record
@@ -184,7 +184,7 @@ def main() -> None:
     runs = {}
     if args.against_eager and args.compile == "none":
         ap.error("--against-eager times ours eager beside ours compiled: give --compile step or loss")
-    bulk = device.type == "cpu" and args.compile != "step"  # as the Trainer decides
+    bulk = draws_in_bulk(device, True if args.compile == "step" else args.compile)  # as the Trainer decides
     if args.torch_dropout and not (bulk and config.dropout > 0):
         ap.error("--torch-dropout: the train stage draws dropout in bulk only on CPUs with the model eager "
                  "(--compile none or loss), and this model's dropout is 0 (--preset multi30k-amx has 0.1)"

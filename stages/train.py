@@ -35,7 +35,7 @@ from stages.model_files import ModelMeta, load_weights, read_model
 from stages.params import TrainParams
 from stages.progress import Bar
 from stages.train_compile import Compiled, LossFunction, compile_seconds, persistent_gradients
-from stages.train_dropout import bulk_dropout
+from stages.train_dropout import bulk_dropout, draws_in_bulk
 from stages.train_inputs import PreparedStep, StepInputs, StepStream, training_sampler, within_positions
 from stages.train_metrics import MetricsWindow, Progress, StepMetrics, progress_line, summary, write_curves
 from stages.train_state import Agreed, Agreement, ModelState, OptimizerState, ScalerState, SchedulerState, \
@@ -134,7 +134,7 @@ class Trainer:
         self.n_parameters = sum(p.numel() for p in model.parameters())
         self.meta = ModelMeta(model_config, model.vocab_size, steps=())
         on_gpu = accelerator.device.type == "cuda"
-        if not on_gpu and params.compile is not True:  # the model eager on a CPU: train_dropout.py says why
+        if draws_in_bulk(accelerator.device, params.compile):  # train_dropout.py says why
             bulk_dropout(model)
         self.inputs = StepInputs(corpus, model_config, model.vocab_size, self.grad_accum, rank,
                                  pad_multiple=8 if on_gpu else 1, pin=on_gpu,

@@ -57,6 +57,12 @@ class BulkDropout(nn.Module):
         return f"p={self.p}"
 
 
+def draws_in_bulk(device: torch.device, compiled: bool | str) -> bool:
+    """Whether a model trained on `device` with train.compile `compiled` (resolved: True, False or "loss")
+    runs eager on a CPU, where its dropout is drawn in bulk; compiled, inductor draws its own masks."""
+    return device.type == "cpu" and compiled is not True
+
+
 def bulk_dropout(model: nn.Module) -> int:
     """Replace every nn.Dropout of `model` that drops anything with a BulkDropout of its probability;
     returns how many were replaced. The weights and their names are untouched."""
