@@ -48,7 +48,7 @@ from stages.params import DecodeParams
 from translate import cpu
 from translate.translator import Translator
 from translate.beam_search import top_k
-from transformer.attention import MultiHeadAttention
+from transformer.attention import MultiHeadAttention, attention_by_products
 from transformer.model import Transformer
 
 
@@ -151,9 +151,9 @@ def attention_kernels(d_model: int, heads: int, rows: list[int], keys: list[int]
             padding[:, max(t - 2, 1):] = True
             cells = []
             for name, (q, k, v), mask in (("self", self_qkv, None), ("source", source_qkv, padding)):
-                products = _best(lambda: cpu.attend_by_products(q, k, v, mask), repeats)
+                products = _best(lambda: attention_by_products(q, k, v, mask), repeats)
                 fused = _best(lambda: sdpa.attend(q, k, v, mask, causal=False), repeats)
-                error = float((cpu.attend_by_products(q, k, v, mask) - sdpa.attend(q, k, v, mask, False)).abs().max())
+                error = float((attention_by_products(q, k, v, mask) - sdpa.attend(q, k, v, mask, False)).abs().max())
                 pick = cpu.fused_attention_is_faster(q.numel() // d, q.size(2), t)
                 row = {"d_model, heads": f"{d_model}, {heads}", "rows": n, "keys": t, "attention": name,
                        "products (us)": round(products * 1e6), "fused (us)": round(fused * 1e6),
@@ -163,7 +163,7 @@ def attention_kernels(d_model: int, heads: int, rows: list[int], keys: list[int]
                 if mask is not None:  # where no source is padded there is no mask (ModelSteps)
                     taken = fused if pick else products
                     bare = _best(lambda: sdpa.attend(q, k, v, None, False) if pick else
-                                 cpu.attend_by_products(q, k, v, None), repeats)
+                                 attention_by_products(q, k, v, None), repeats)
                     row["without a mask (us)"] = round(bare * 1e6)
                     unmasked = f", taken without a mask {bare * 1e6:.0f} us ({taken / bare:.2f}x)"
                 cells.append(f"{name}: products {products * 1e6:6.0f} us, fused {fused * 1e6:6.0f} us "

@@ -15,8 +15,10 @@ stage's settings (stages/devices.py): on CPUs glibc's allocator as it sets it (`
 leaves it as it comes) and oneDNN keeping the kernels of every shape, and everywhere its attention
 kernels (`--torch-attention` leaves torch's choice), so two runs show what a setting is worth;
 `--separate-projections` also times ours with attention's q, k and v as three products (slices of the
-same weights), in the same alternation, and `--torch-dropout` ours with torch's own dropout masks where
-the train stage draws them in bulk (on CPUs, the model eager: stages/train_dropout.py). `--compile step`
+same weights), in the same alternation, `--torch-dropout` ours with torch's own dropout masks where
+the train stage draws them in bulk (on CPUs, the model eager: stages/train_cpu.py), and `--sdpa-attention`
+ours with scaled_dot_product_attention where the train stage writes bf16 attention as two products (the
+same place, in bf16). `--compile step`
 compiles both models' steps as train.compile true does, `--compile loss` both losses alone as
 train.compile loss does (`--compile` alone: step), and `--against-eager` also times ours eager with the
 same weights, in the same alternation. `--profile N` then profiles N of ours' steps and records where
@@ -41,7 +43,7 @@ from stages.batching import collate, token_batches
 from stages.devices import attention_kernels, default_device, keep_freed_host_memory, keep_generated_kernels
 from stages.train import forward_loss
 from stages.train_compile import Compiled, compile_seconds
-from stages.train_dropout import bulk_dropout, draws_in_bulk
+from stages.train_cpu import for_eager_cpu, runs_eager_on_cpu
 from stages.vocab import PAD_ID
 from bench.common import CORPORA, MODELS, model_settings
 from bench.results import record
@@ -80,18 +82,20 @@ def separately(attention: MultiHeadAttention, query: torch.Tensor,
     return (*parts,) if memory is None else (attention.q_proj(query), *parts)
 
 
-SEPARATE, EAGER, TORCH_DROPOUT = "ours, q k v apart", "ours, eager", "ours, torch's dropout"
+SEPARATE, EAGER, TORCH_DROPOUT, SDPA = ("ours, q k v apart", "ours, eager", "ours, torch's dropout",
+                                       "ours, scaled_dot_product_attention")
+VARIANTS = (SEPARATE, EAGER, TORCH_DROPOUT, SDPA)  # ours, with the same weights, each computed another way
 COMPILED = {"none": "", "step": ", compiled", "loss": ", loss compiled"}  # as a result's case names it
 
 
 def ours(config: TransformerConfig, vocab_size: int, separate_projections: bool = False, compiled: str = "none",
-         bulk: bool = False):
+         eager_cpu: dict[str, bool] | None = None):
     """The train stage's own micro-batch: its model and loss as one function, `compiled` ("step", "loss" or
-    "none") as train.compile_step compiles it; `bulk`: its dropout drawn in bulk, as the Trainer draws it where
-    the model runs eager on a CPU."""
+    "none") as train.compile_step compiles it; `eager_cpu`: train_cpu.for_eager_cpu's arguments, where the
+    Trainer applies it (on a CPU, the model eager)."""
     model = Transformer(config, vocab_size, PAD_ID)
-    if bulk:
-        bulk_dropout(model)
+    if eager_cpu is not None:
+        for_eager_cpu(model, **eager_cpu)
     for module in model.modules() if separate_projections else ():
         if isinstance(module, MultiHeadAttention):
             module.project = functools.partial(separately, module)
@@ -169,6 +173,9 @@ def main() -> None:
                     help="also time ours with attention's q, k and v as three products, not one of the stacked weights")
     ap.add_argument("--torch-dropout", action="store_true",
                     help="also time ours with torch's dropout, where the train stage draws its masks in bulk")
+    ap.add_argument("--sdpa-attention", action="store_true",
+                    help="also time ours with scaled_dot_product_attention, where the train stage writes bf16 "
+                         "attention as two products")
     args = ap.parse_args()
 
     device = default_device()
@@ -184,22 +191,30 @@ def main() -> None:
     runs = {}
     if args.against_eager and args.compile == "none":
         ap.error("--against-eager times ours eager beside ours compiled: give --compile step or loss")
-    bulk = draws_in_bulk(device, True if args.compile == "step" else args.compile)  # as the Trainer decides
-    if args.torch_dropout and not (bulk and config.dropout > 0):
+    eager_cpu = runs_eager_on_cpu(device, True if args.compile == "step" else args.compile)  # as the Trainer decides
+    cpu = {"bf16": args.precision == "bf16"} if eager_cpu else None  # for_eager_cpu's arguments there
+    if args.torch_dropout and not (eager_cpu and config.dropout > 0):
         ap.error("--torch-dropout: the train stage draws dropout in bulk only on CPUs with the model eager "
                  "(--compile none or loss), and this model's dropout is 0 (--preset multi30k-amx has 0.1)"
-                 if bulk else "--torch-dropout: the train stage keeps torch's dropout here (a GPU, or --compile step)")
-    builds = [("ours", functools.partial(ours, compiled=args.compile, bulk=bulk)),
+                 if eager_cpu else
+                 "--torch-dropout: the train stage keeps torch's dropout here (a GPU, or --compile step)")
+    if args.sdpa_attention and not (eager_cpu and args.precision == "bf16"):
+        ap.error("--sdpa-attention: the train stage writes attention as two products only on CPUs in bf16 with the "
+                 "model eager (--precision bf16, --compile none or loss)")
+    builds = [("ours", functools.partial(ours, compiled=args.compile, eager_cpu=cpu)),
               ("MarianMT (transformers)", functools.partial(marian, compiled=args.compile))]
     if args.separate_projections:
-        builds.append((SEPARATE, functools.partial(ours, separate_projections=True, compiled=args.compile, bulk=bulk)))
+        builds.append((SEPARATE, functools.partial(ours, separate_projections=True, compiled=args.compile,
+                                                   eager_cpu=cpu)))
     if args.against_eager:
-        builds.append((EAGER, functools.partial(ours, bulk=bulk)))
-    if args.torch_dropout:
-        builds.append((TORCH_DROPOUT, functools.partial(ours, compiled=args.compile)))
+        builds.append((EAGER, functools.partial(ours, eager_cpu=cpu)))
+    left_out = ((args.torch_dropout, TORCH_DROPOUT, "dropout"), (args.sdpa_attention, SDPA, "attention"))
+    for flag, variant, without in left_out:
+        if flag:  # ours with one of the train stage's CPU transforms left out
+            builds.append((variant, functools.partial(ours, compiled=args.compile, eager_cpu={**cpu, without: False})))
     for name, build in builds:
         model, step_fn = build(config, args.vocab_size)
-        if name in (SEPARATE, EAGER, TORCH_DROPOUT):
+        if name in VARIANTS:
             model.load_state_dict(runs["ours"][0].state_dict())  # the same weights, computed apart or eager
         model.to(device).train()
         runs[name] = (model, step_fn, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
@@ -235,7 +250,7 @@ def main() -> None:
     def kernels() -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if args.torch_attention else attention_kernels(device, precision)
 
-    for variant in (SEPARATE, EAGER, TORCH_DROPOUT):  # the same weights compute ours' function, before either trains
+    for variant in VARIANTS:  # the same weights compute ours' function, before either trains
         if variant not in runs:
             continue
         losses = []
@@ -273,7 +288,7 @@ def main() -> None:
                      "step time varies": f"{spread:.0%}", "page faults a step": pages,
                      **({"compile s": round(compiling[name], 1)} if args.compile != "none" else {})})
     summary = f"ours / MarianMT: {rate['ours'] / rate['MarianMT (transformers)']:.2f}x"
-    for variant in (SEPARATE, EAGER, TORCH_DROPOUT):
+    for variant in VARIANTS:
         if variant in rate:
             summary += f"; ours / {variant}: {rate['ours'] / rate[variant]:.2f}x"
     print(summary)
@@ -294,6 +309,7 @@ def main() -> None:
            + (", torch's attention" if args.torch_attention else "")
            + (", with q k v apart" if args.separate_projections else "")
            + (", against torch's dropout" if args.torch_dropout else "")
+           + (", against scaled_dot_product_attention" if args.sdpa_attention else "")
            + (", against eager" if args.against_eager else ""))
     record("train", f"{args.preset} {args.precision} {args.batch_tokens}{how}",
            f"Training steps, {args.preset} model, {args.precision}{how}, {args.batch_tokens} tokens a side",

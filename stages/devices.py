@@ -47,7 +47,8 @@ def attention_kernels(device: torch.device, precision: str = "no") -> contextlib
     - CPUs in bf16: the math kernel (two products and a softmax, which torch computes in fp32). The
       fused CPU kernel's bf16 backward runs several times slower than its fp32 one, and slower than
       the math kernel (`python -m bench.train --preset multi30k --precision bf16`, against
-      `--torch-attention`). In fp32 torch's choice is the fastest."""
+      `--torch-attention`). In fp32 torch's choice is the fastest. (The train stage's own model, eager
+      on a CPU in bf16, attends by two bf16 products instead and calls neither: stages/train_cpu.py.)"""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if device.type == "cuda":

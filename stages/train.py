@@ -35,7 +35,7 @@ from stages.model_files import ModelMeta, load_weights, read_model
 from stages.params import TrainParams
 from stages.progress import Bar
 from stages.train_compile import Compiled, LossFunction, compile_seconds, persistent_gradients
-from stages.train_dropout import bulk_dropout, draws_in_bulk
+from stages.train_cpu import for_eager_cpu, runs_eager_on_cpu
 from stages.train_inputs import PreparedStep, StepInputs, StepStream, training_sampler, within_positions
 from stages.train_metrics import MetricsWindow, Progress, StepMetrics, progress_line, summary, write_curves
 from stages.train_state import Agreed, Agreement, ModelState, OptimizerState, ScalerState, SchedulerState, \
@@ -134,8 +134,8 @@ class Trainer:
         self.n_parameters = sum(p.numel() for p in model.parameters())
         self.meta = ModelMeta(model_config, model.vocab_size, steps=())
         on_gpu = accelerator.device.type == "cuda"
-        if draws_in_bulk(accelerator.device, params.compile):  # train_dropout.py says why
-            bulk_dropout(model)
+        if runs_eager_on_cpu(accelerator.device, params.compile):  # train_cpu.py says why
+            for_eager_cpu(model, bf16=accelerator.mixed_precision == "bf16")
         self.inputs = StepInputs(corpus, model_config, model.vocab_size, self.grad_accum, rank,
                                  pad_multiple=8 if on_gpu else 1, pin=on_gpu,
                                  bucket_budget=self.micro_tokens if bucketed else None)

@@ -11,7 +11,7 @@ import torch
 import transformer.loss as loss_module
 from translate.beam_search import beam_search
 from translate.translator import ModelSteps
-from transformer.attention import with_stacked_projections
+from transformer.attention import attention_by_products, with_stacked_projections
 from transformer.config import TransformerConfig
 from transformer.loss import label_smoothed_nll_loss
 from transformer.model import Transformer, training_flops
@@ -104,6 +104,32 @@ def test_attention_computes_what_torchs_multihead_attention_does_with_the_same_w
         torch.testing.assert_close(self_attn(x, causal=True), want, rtol=1e-5, atol=1e-5)
         want = _torch_attention(cross_attn, 32)(x, memory, memory, key_padding_mask=padding, need_weights=False)[0]
         torch.testing.assert_close(cross_attn(x, memory, key_padding_mask=padding), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal, queries, keys", [(True, 7, 7), (False, 7, 7), (False, 5, 9), (True, 5, 9)])
+def test_attention_by_products_is_torchs_scaled_dot_product_attention(causal, queries, keys):
+    """The written-out attention (the train stage's in bf16 on CPUs, decoding's on CPUs) against torch's
+    kernel in float64, forward and backward, with padded keys; in bf16, within its rounding."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(3, 2, t, 16, dtype=torch.float64) for t in (queries, keys, keys))
+    padding = torch.zeros(3, keys, dtype=torch.bool)
+    padding[1, 4:], padding[2, 1:] = True, True  # some rows see one key only
+    grad = torch.randn(3, 2, queries, 16, dtype=torch.float64)
+    results = {}
+    for name in ("torch", "products", "products in bf16"):
+        inputs = [x.clone().to(torch.bfloat16 if "bf16" in name else x.dtype).requires_grad_() for x in (q, k, v)]
+        if name == "torch":
+            out = torch.nn.functional.scaled_dot_product_attention(
+                *inputs, attn_mask=~padding[:, None, None, :] & torch.ones(queries, keys, dtype=torch.bool).tril()
+                if causal else ~padding[:, None, None, :])
+        else:
+            out = attention_by_products(*inputs, padding, causal)
+        out.backward(grad.to(out.dtype))
+        results[name] = [out.detach().double(), *(x.grad.double() for x in inputs)]
+    for want, got in zip(results["torch"], results["products"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    for want, got in zip(results["torch"], results["products in bf16"], strict=True):
+        assert float((got - want).norm()) <= 0.02 * float(want.norm())  # bf16 keeps 8 bits of mantissa
 
 
 def test_each_stacked_projection_is_initialised_as_a_matrix_of_its_own():

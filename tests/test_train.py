@@ -19,6 +19,7 @@ from stages.checkpoint import Checkpointer, Processes, Schedule
 from stages.model_files import ModelMeta, current_dir, list_checkpoints, read_checkpoint, write_checkpoint, \
     write_model
 from stages.train_metrics import MetricsWindow, Progress, StepMetrics, summary, write_curves
+from transformer.attention import MultiHeadAttention
 from transformer.config import TransformerConfig
 from transformer.schedule import inverse_sqrt_rate, linear_decay_rate
 
@@ -235,35 +236,38 @@ def test_auto_precision_is_bf16_on_gpus_that_have_it_and_on_cpus_with_fast_bf16_
 
 
 @pytest.mark.skipif(default_device().type != "cpu", reason="the CPU's attention kernels")
-def test_a_bf16_step_on_cpus_takes_the_math_attention_and_follows_fp32s_gradients(encoded, vocab_dir):
-    """The fused CPU kernel's bf16 backward is several times slower than the math kernel's
-    (stages/devices.py: attention_kernels), so a bf16 step must not call it; fp32 keeps it."""
+def test_a_bf16_step_on_cpus_attends_by_bf16_products_and_follows_fp32s_gradients(encoded, vocab_dir):
+    """torch's CPU attention kernels compute bf16 attention in fp32, or slowly (stages/train_cpu.py), so a
+    bf16 step attends by two bf16 products and calls none of them; fp32 keeps the fused kernel."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from torch.profiler import profile
 
-    grads, kernels = {}, {}
+    from stages.train_cpu import ProductAttention
+
+    grads, kernels, attention = {}, {}, {}
     try:
         for precision in ("no", "bf16"):
             AcceleratorState._reset_state(True)  # one precision a process: this test's, then the others' again
             trainer = _trainer(encoded[0], vocab_dir, Accelerator(cpu=True, mixed_precision=precision))
+            attention[precision] = {type(m) for m in trainer.model.modules() if isinstance(m, MultiHeadAttention)}
             with profile() as prof:
                 grads[precision] = _gradients(trainer)[0]
             kernels[precision] = {e.key for e in prof.key_averages() if "scaled_dot_product" in e.key}
+            products = {e.key: e.count for e in prof.key_averages() if e.key == "aten::bmm"}
     finally:
         AcceleratorState._reset_state(True)
-    fused = "aten::_scaled_dot_product_flash_attention_for_cpu"
-    assert fused in kernels["no"] and fused not in kernels["bf16"], kernels
-    assert "aten::_scaled_dot_product_attention_math" in kernels["bf16"]
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in kernels["no"] and not kernels["bf16"], kernels
+    assert attention == {"no": {MultiHeadAttention}, "bf16": {ProductAttention}} and products
     exact, rounded = (torch.cat([g.flatten() for g in grads[p]]) for p in ("no", "bf16"))
     assert float((rounded - exact).norm()) <= 0.05 * float(exact.norm())  # bf16 keeps 8 bits of mantissa
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dropout_drawn_in_bulk_is_torchs_dropout_with_masks_from_torchs_seed(dtype):
-    """BulkDropout (the CPU step's, stages/train_dropout.py) against torch's own: the units it drops, the
+    """BulkDropout (the CPU step's, stages/train_cpu.py) against torch's own: the units it drops, the
     scale of those it keeps and the gradient; its masks follow torch's generator and nothing else."""
-    from stages.train_dropout import BulkDropout
+    from stages.train_cpu import BulkDropout
 
     p, shape = 0.1, (64, 2000)
     bulk, reference = BulkDropout(p).train(), torch.nn.Dropout(p).train()
@@ -291,9 +295,31 @@ def test_dropout_drawn_in_bulk_is_torchs_dropout_with_masks_from_torchs_seed(dty
     assert bulk.eval()(x) is x
 
 
+def test_product_attention_drops_attention_weights_in_bulk_as_scaled_dot_product_attention_does():
+    """ProductAttention (a bf16 CPU step's, stages/train_cpu.py) with attention dropout: with v the
+    identity its output is the weights, each zeroed with probability p, the rest scaled by 1 / (1 - p)."""
+    from stages.train_cpu import ProductAttention
+    from translate.transforms import swap_class
+
+    p, keys = 0.25, 32
+    attention = MultiHeadAttention(16, 2, 8, 8, p, self_attention=True)
+    swap_class(attention, ProductAttention)
+    q, k = torch.randn(50, 2, 20, 8), torch.randn(50, 2, keys, 8)
+    v = torch.eye(keys).expand(50, 2, keys, keys)
+    weights = attention.eval().attend(q, k, v, None, False)
+    torch.testing.assert_close(weights, torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, -1))
+    torch.manual_seed(1)
+    dropped = attention.train().attend(q, k, v, None, False)
+    zero = dropped == 0
+    assert abs(float(zero.float().mean()) - p) < 5 * (p * (1 - p) / zero.numel()) ** 0.5
+    torch.testing.assert_close(dropped[~zero], weights[~zero] / (1 - p))
+    torch.manual_seed(1)
+    assert torch.equal(attention.attend(q, k, v, None, False), dropped)  # its masks follow torch's seed
+
+
 @pytest.mark.parametrize("compiled", ["loss", True])
 def test_a_cpu_trainer_draws_dropout_in_bulk_where_its_model_runs_eager(encoded, vocab_dir, compiled):
-    from stages.train_dropout import BulkDropout
+    from stages.train_cpu import BulkDropout
 
     trainer = train.Trainer(TINY, train_params(compile=compiled), encoded_dir=encoded[0], vocab_dir=vocab_dir,
                             accelerator=_accelerator())
@@ -537,7 +563,7 @@ def test_only_log_and_save_steps_read_from_the_device(encoded, vocab_dir, tmp_pa
     host memory, which waits on nothing: that read alone is not watched."""
     from torch.overrides import TorchFunctionMode
 
-    from stages.train_dropout import BulkDropout
+    from stages.train_cpu import BulkDropout
 
     class Watch(TorchFunctionMode):
         def __init__(self):

@@ -33,6 +33,20 @@ class Packing:
         return out.index_copy_(0, self.index, x).view(self.batch, self.length, *x.shape[1:])
 
 
+def attention_by_products(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None,
+                          causal: bool = False, dropout: nn.Module | None = None) -> Tensor:
+    """Scaled dot-product attention written out, as two batched products and a softmax: what
+    MultiHeadAttention.attend computes (its shapes), for the transforms that run it so. The softmax
+    runs in fp32 at least, whatever the products' precision; `dropout`, if any, applies to its weights."""
+    scores = (q * q.size(-1) ** -0.5) @ k.transpose(-1, -2)  # (B, n_heads, Tq, Tk)
+    if causal:  # query i sees keys 0..i, as scaled_dot_product_attention's is_causal
+        scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if key_padding_mask is not None:
+        scores.masked_fill_(key_padding_mask[:, None, None, :], float("-inf"))
+    weights = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
+    return (weights if dropout is None else dropout(weights)) @ v
+
+
 class MultiHeadAttention(nn.Module):
     """h heads, each projecting queries and keys to d_k and values to d_v (the paper: d_k = d_v =
     d_model / h = 64; Table 3 rows (A) and (B) vary them).

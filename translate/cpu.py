@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from translate.beam_search import Select, top_k
 from translate.transforms import replace_modules, swap_class
-from transformer.attention import MultiHeadAttention
+from transformer.attention import MultiHeadAttention, attention_by_products
 from transformer.layers import FeedForward
 from transformer.model import Transformer
 
@@ -145,22 +145,14 @@ def fused_attention_is_faster(queries: int, per_matrix: int, keys: int) -> bool:
     return queries <= 128 or (per_matrix == 1 and keys < 8)
 
 
-def attend_by_products(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
-    """softmax(q k^T / sqrt(d_k)) v as two batched products (no causal mask, no dropout: decoding's)."""
-    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5  # (B, n_heads, Tq, Tk)
-    if key_padding_mask is not None:
-        scores.masked_fill_(key_padding_mask[:, None, None, :], float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
-
-
 class DecodingAttention(MultiHeadAttention):
     """A decoder's attention, for decoding on CPUs: where fused_attention_is_faster says so, two
-    batched products (attend_by_products) instead of scaled_dot_product_attention."""
+    batched products (attention_by_products) instead of scaled_dot_product_attention."""
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool) -> Tensor:
         if causal or self.training or fused_attention_is_faster(q.numel() // q.size(-1), q.size(2), k.size(2)):
             return super().attend(q, k, v, key_padding_mask, causal)
-        return attend_by_products(q, k, v, key_padding_mask)
+        return attention_by_products(q, k, v, key_padding_mask)
 
 
 def _chunk_size(vocab: int) -> int | None:

@@ -1,5 +1,6 @@
-"""Transforms every decoding backend may apply to a trained model from outside, as torchtitan applies
-parallelism: modules replaced in place, the model's own code untouched."""
+"""Transforms a backend applies to the model from outside, as torchtitan applies parallelism (every
+decoding backend; the train stage on CPUs, stages/train_cpu.py): modules replaced in place, the
+model's own code untouched."""
 from __future__ import annotations
 
 from collections.abc import Callable
