@@ -281,3 +281,19 @@ def test_a_wrong_preset_or_override_stops_the_run_in_one_line_before_the_flow_st
     assert out.stdout == "" and out.stderr.count("\n") == 1 and out.stderr.startswith("error: "), out.stderr
     assert message in out.stderr
     assert config.PARAMS_FILE.read_bytes() == before
+
+
+def test_gpu_multi30k_tries_load_and_their_rescore_variants_reuse_the_training_only(tmp_path):
+    from bench.gpu import FULL
+    from bench.gpu.multi30k import tries, try_settings
+
+    for name, overrides in tries().items():  # the file as committed: every try and variant loads
+        found = try_settings(FULL, name, overrides, tmp_path)
+        assert len(found) == 1 + len(overrides.get("rescore", []))
+        assert all(v.train == found[0].train and v.model == found[0].model for v in found[1:]), name
+    preset = try_settings(FULL, "preset", tries()["preset"], tmp_path)
+    assert [(p.average.last, p.decode.beam_size) for p in preset[:2]] == [(5, 4), (10, 4)]
+    with pytest.raises(ValueError, match=r"x: a rescore variant changes train.max_steps; it may change only"):
+        try_settings(FULL, "x", {"rescore": [{"train.max_steps": 9}]}, tmp_path)
+    with pytest.raises(ConfigError, match=r"keep_checkpoints: 5 would delete checkpoints that average.last \(10\)"):
+        try_settings(FULL, "x", {"rescore": [{"average.last": 10}]}, tmp_path)

@@ -122,7 +122,9 @@ def table(results: dict[str, Any]) -> str:
         lines += [f"Multi30k {m['pair']}, try {m['try']} (presets multi30k + multi30k-gpu, then "
                   f"{m['overrides'] or 'nothing'}; {m['steps']} steps): test2016 sacreBLEU {m['bleu']['test']:.2f} "
                   f"(lowercased tokenised {m['bleu_lc_tok']['test']:.2f}), dev {m['bleu']['dev']:.2f}, "
-                  f"in {m['total_seconds'] / 60:.1f} minutes: {times}", ""]
+                  f"in {m['total_seconds'] / 60:.1f} minutes: {times}",
+                  *[f"  the same training with {r['changes']}: dev {r['bleu']:.2f} ({r['seconds']:.0f} s)"
+                    for r in m.get("rescored", [])], ""]
     return "\n".join(lines)
 
 
@@ -152,17 +154,21 @@ def record_results(results: dict[str, Any]) -> None:
                [{"try": m["try"], "pair": m["pair"], "changes": m["overrides"] or "-", "steps": m["steps"],
                  "minutes": round(m["total_seconds"] / 60, 1), "dev sacreBLEU": round(m["bleu"]["dev"], 2),
                  "test sacreBLEU": round(m["bleu"]["test"], 2),
-                 "test lowercased tokenised": round(m["bleu_lc_tok"]["test"], 2)} for m in tried],
-               "; ".join(f"best on dev, {pair}: {max(of_pair, key=lambda m: m['bleu']['dev'])['try']}"
-                         for pair, of_pair in _by_pair(tried).items()))
+                 "test lowercased tokenised": round(m["bleu_lc_tok"]["test"], 2)} for m in tried]
+               + [{"try": f"{m['try']}, rescored", "pair": m["pair"], "changes": r["changes"], "steps": m["steps"],
+                   "minutes": round(r["seconds"] / 60, 1), "dev sacreBLEU": round(r["bleu"], 2),
+                   "test sacreBLEU": "-", "test lowercased tokenised": "-"}
+                  for m in tried for r in m.get("rescored", [])],
+               "; ".join(f"best on dev, {pair}: {best}" for pair, best in _best_on_dev(tried).items()))
 
 
-def _by_pair(tried: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """The multi30k part's tries grouped by language pair: dev BLEU compares within a pair only."""
-    pairs: dict[str, list[dict[str, Any]]] = {}
+def _best_on_dev(tried: list[dict[str, Any]]) -> dict[str, str]:
+    """Each language pair's best try or rescore variant on dev (dev BLEU compares within a pair only)."""
+    scored: dict[str, list[tuple[float, str]]] = {}
     for m in tried:
-        pairs.setdefault(m["pair"], []).append(m)
-    return pairs
+        scored.setdefault(m["pair"], []).append((m["bleu"]["dev"], m["try"]))
+        scored[m["pair"]] += [(r["bleu"], f"{m['try']} with {r['changes']}") for r in m.get("rescored", [])]
+    return {pair: max(of_pair)[1] for pair, of_pair in scored.items()}
 
 
 def write(path: Path, text: str) -> None:
@@ -208,11 +214,19 @@ def main() -> None:
         ap.error(f"--systems: unknown {', '.join(sorted(unknown))} (known: {', '.join(SYSTEMS)}, marian)")
     if unknown := set(args.models or ()) - {"base", "big"}:
         ap.error(f"--models: unknown {', '.join(sorted(unknown))} (known: base, big)")
-    from bench.gpu.multi30k import first_of_each_pair, tries
+    from bench.gpu.multi30k import first_of_each_pair, tries, try_settings
+    from stages.io import PipelineError
 
     if unknown := set(args.tries or ()) - set(tries()):
         ap.error(f"--tries: unknown {', '.join(sorted(unknown))} (known: {', '.join(tries())})")
     sizes = SMOKE if args.smoke else FULL
+    chosen = args.tries or (first_of_each_pair(tries()) if args.smoke else list(tries()))
+    if "multi30k" in args.parts and not args.part:
+        for name in chosen:  # a bad try fails here, before the GPU's minutes
+            try:
+                try_settings(sizes, name, tries()[name], Path("multi30k-source"))
+            except (ValueError, PipelineError) as e:
+                ap.error(str(e))
     if args.part:
         write(args.part_out, json.dumps(run_part(sizes, args.work, args.part, args.accum)))
         return
@@ -272,7 +286,7 @@ def main() -> None:
             results["decode"] = measured("decode", "decode")
         if "multi30k" in args.parts:
             results["multi30k"] = []
-            for name in args.tries or (first_of_each_pair(tries()) if args.smoke else list(tries())):
+            for name in chosen:
                 if r := measured("multi30k", f"multi30k:{name}"):
                     results["multi30k"].append(r)
     results["wall_seconds"] = time.perf_counter() - start
