@@ -19,7 +19,8 @@ same weights), in the same alternation, `--torch-dropout` ours with torch's own 
 the train stage draws them in bulk (on CPUs, the model eager: stages/train_cpu.py), and `--sdpa-attention`
 ours with scaled_dot_product_attention where the train stage writes bf16 attention as two products (the
 same place, in bf16). `--compile step`
-compiles both models' steps as train.compile true does, `--compile loss` both losses alone as
+compiles both models' steps as train.compile true does, `--compile layers` each of their encoder and
+decoder layers and their losses as train.compile layers does, `--compile loss` both losses alone as
 train.compile loss does (`--compile` alone: step), and `--against-eager` also times ours eager with the
 same weights, in the same alternation. `--profile N` then profiles N of ours' steps and records where
 their time goes, with the matrix products' share and rate.
@@ -85,21 +86,23 @@ def separately(attention: MultiHeadAttention, query: torch.Tensor,
 SEPARATE, EAGER, TORCH_DROPOUT, SDPA = ("ours, q k v apart", "ours, eager", "ours, torch's dropout",
                                        "ours, scaled_dot_product_attention")
 VARIANTS = (SEPARATE, EAGER, TORCH_DROPOUT, SDPA)  # ours, with the same weights, each computed another way
-COMPILED = {"none": "", "step": ", compiled", "loss": ", loss compiled"}  # as a result's case names it
+COMPILED = {"none": "", "step": ", compiled", "layers": ", layers compiled",
+            "loss": ", loss compiled"}  # as a result's case names it
 
 
 def ours(config: TransformerConfig, vocab_size: int, separate_projections: bool = False, compiled: str = "none",
          eager_cpu: dict[str, bool] | None = None):
-    """The train stage's own micro-batch: its model and loss as one function, `compiled` ("step", "loss" or
-    "none") as train.compile_step compiles it; `eager_cpu`: train_cpu.for_eager_cpu's arguments, where the
-    Trainer applies it (on a CPU, the model eager)."""
+    """The train stage's own micro-batch: its model and loss as one function, `compiled` ("step", "layers",
+    "loss" or "none") as train.compile_step compiles it; `eager_cpu`: train_cpu.for_eager_cpu's arguments,
+    where the Trainer applies it (on a CPU, the model eager)."""
     model = Transformer(config, vocab_size, PAD_ID)
     if eager_cpu is not None:
         for_eager_cpu(model, **eager_cpu)
     for module in model.modules() if separate_projections else ():
         if isinstance(module, MultiHeadAttention):
             module.project = functools.partial(separately, module)
-    step = forward_loss if compiled == "none" else Compiled(forward_loss, part=compiled)
+    step = (forward_loss if compiled == "none"
+            else Compiled(forward_loss, part=compiled, model=model if compiled == "layers" else None))
 
     def loss(src, tgt_in, tgt_out):
         return step(model, src, tgt_in, tgt_out, 0.1)[0]
@@ -112,11 +115,15 @@ def _marian_loss(logits: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
 
 
 def marian(config: TransformerConfig, vocab_size: int, compiled: str = "none"):
-    """MarianMT's micro-batch, `compiled` as ours: the whole of it, its loss alone (torch's), or none."""
+    """MarianMT's micro-batch, `compiled` as ours: the whole of it, its layers and loss (torch's), its loss
+    alone, or none."""
     from transformers import MarianMTModel
 
     model = MarianMTModel(export.marian_config(config, vocab_size))
-    cross_entropy = torch.compile(_marian_loss, dynamic=True) if compiled == "loss" else _marian_loss
+    cross_entropy = torch.compile(_marian_loss, dynamic=True) if compiled in ("layers", "loss") else _marian_loss
+    if compiled == "layers":
+        for layer in (*model.model.encoder.layers, *model.model.decoder.layers):
+            layer.compile(dynamic=True)
 
     def loss(src, tgt_in, tgt_out):
         logits = model(input_ids=src, attention_mask=src.ne(PAD_ID), decoder_input_ids=tgt_in,
@@ -159,8 +166,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per model")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--compile", nargs="?", const="step", default="none", choices=["none", "step", "loss"],
-                    help="torch.compile both models' steps (step, the default of the bare flag) or losses alone")
+    ap.add_argument("--compile", nargs="?", const="step", default="none", choices=list(COMPILED),
+                    help="torch.compile both models' steps (step, the default of the bare flag), their layers and "
+                         "losses, or their losses alone")
     ap.add_argument("--against-eager", action="store_true",
                     help="also time ours eager, with the same weights (with --compile)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -190,14 +198,15 @@ def main() -> None:
     data = batches(args.batch_tokens, args.vocab_size, args.steps, text)
     runs = {}
     if args.against_eager and args.compile == "none":
-        ap.error("--against-eager times ours eager beside ours compiled: give --compile step or loss")
-    eager_cpu = runs_eager_on_cpu(device, True if args.compile == "step" else args.compile)  # as the Trainer decides
+        ap.error("--against-eager times ours eager beside ours compiled: give --compile step, layers or loss")
+    as_train_compile = {"none": False, "step": True}.get(args.compile, args.compile)
+    eager_cpu = runs_eager_on_cpu(device, as_train_compile)  # as the Trainer decides
     cpu = {"bf16": args.precision == "bf16"} if eager_cpu else None  # for_eager_cpu's arguments there
     if args.torch_dropout and not (eager_cpu and config.dropout > 0):
         ap.error("--torch-dropout: the train stage draws dropout in bulk only on CPUs with the model eager "
                  "(--compile none or loss), and this model's dropout is 0 (--preset multi30k-amx has 0.1)"
                  if eager_cpu else
-                 "--torch-dropout: the train stage keeps torch's dropout here (a GPU, or --compile step)")
+                 "--torch-dropout: the train stage keeps torch's dropout here (a GPU, or --compile step or layers)")
     if args.sdpa_attention and not (eager_cpu and args.precision == "bf16"):
         ap.error("--sdpa-attention: the train stage writes attention as two products only on CPUs in bf16 with the "
                  "model eager (--precision bf16, --compile none or loss)")

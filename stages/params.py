@@ -128,8 +128,8 @@ class TrainParams:
     label_smoothing: float
     clip_norm: float  # 0: no clipping, as the paper
     precision: Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16 on GPUs that have it, else fp32
-    compile: bool | Literal["auto", "loss"]  # torch.compile the step (model and loss), the loss alone, or not
-                                             # at all; auto: as resolved() says
+    compile: bool | Literal["auto", "layers", "loss"]  # torch.compile the step (model and loss), each layer and
+                                                       # the loss, the loss alone, or not at all; auto: resolved()
     cuda_graphs: bool  # replay the compiled step as CUDA graphs, one a batch shape: GPUs, compile and buckets
     shapes: Literal["exact", "buckets"]  # a batch padded to its longest pair, or to one of a few shapes (batching.py)
     seed: int

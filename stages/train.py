@@ -254,7 +254,7 @@ class Trainer:
             reason = f"{type(cause).__name__}: {next(iter(str(cause).splitlines()), '')}"
             print(f"warning: the {self.forward_loss} step failed to compile ({reason}); training goes on "
                   f"eager", file=sys.stderr, flush=True)
-            self.forward_loss = self.forward_loss.eager
+            self.forward_loss = self.forward_loss.undo()
             self.optimizer.zero_grad(set_to_none=False)  # what the failed try had added
             return work()
 
@@ -306,8 +306,9 @@ def compile_step(trainer: Trainer) -> None:
     if p.compile and not isinstance(trainer.forward_loss, Compiled):
         if p.cuda_graphs:
             persistent_gradients(list(trainer.model.parameters()))
-        trainer.forward_loss = Compiled(trainer.forward_loss, captured=p.cuda_graphs,
-                                        part="loss" if p.compile == "loss" else "step")
+        part = p.compile if isinstance(p.compile, str) else "step"
+        trainer.forward_loss = Compiled(trainer.forward_loss, captured=p.cuda_graphs, part=part,
+                                        model=trainer.acc.unwrap_model(trainer.model) if part == "layers" else None)
 
 
 def _start_from(model: Transformer, path: Path) -> None:

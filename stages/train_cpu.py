@@ -98,9 +98,10 @@ def _bulk(p: float) -> BulkDropout:
 
 
 def runs_eager_on_cpu(device: torch.device, compiled: bool | str) -> bool:
-    """Whether a model trained on `device` with train.compile `compiled` (resolved: True, False or "loss")
-    runs eager on a CPU, where it takes this module's transforms."""
-    return device.type == "cpu" and compiled is not True
+    """Whether a model trained on `device` with train.compile `compiled` (resolved: True, False, "layers" or
+    "loss") runs eager on a CPU, where it takes this module's transforms; its layers compiled, inductor
+    writes their dropout and attention."""
+    return device.type == "cpu" and compiled in (False, "loss")
 
 
 def for_eager_cpu(model: nn.Module, bf16: bool, dropout: bool = True, attention: bool = True) -> None:

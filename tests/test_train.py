@@ -190,11 +190,16 @@ def _gradients(trainer, steps=1):
     return captured
 
 
-@pytest.mark.parametrize("compiled", [False, "loss", pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("compiled", [False, "loss", *(pytest.param(c, marks=pytest.mark.slow)
+                                                         for c in (True, "layers"))])
 def test_gradient_accumulation_equals_one_batch_of_the_union(encoded, vocab_dir, compiled):
-    """Four micro-batches, eager, their loss compiled or all compiled, against the eager step of their union."""
+    """Four micro-batches, eager, their loss compiled, their layers and loss or all compiled, against the
+    eager step of their union."""
+    from torch._dynamo.utils import counters
+
     parts = [np.arange(i * 5, i * 5 + 5) for i in range(4)]
     torch._dynamo.reset()  # a graph another test compiled would be reused, with no time compiling
+    counters.clear()
     accumulating = _trainer(encoded[0], vocab_dir, micro_batches=4, compile=compiled)
     accumulating.sampler = BatchSampler(parts, seed=1)  # one step takes them all, in some order
     whole = _trainer(encoded[0], vocab_dir, micro_batches=1)
@@ -203,6 +208,8 @@ def test_gradient_accumulation_equals_one_batch_of_the_union(encoded, vocab_dir,
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert isinstance(accumulating.forward_loss, train.Compiled) == bool(compiled)  # compiled, it did not fall back
     assert (accumulating.compiling > 0) == bool(compiled)  # and a graph was compiled
+    # the whole step one graph, the loss one; layer by layer, one a kind of layer (TINY has two of each) and the loss
+    assert counters["stats"]["unique_graphs"] == {False: 0, "loss": 1, True: 1, "layers": 3}[compiled]
 
 
 def test_a_trainer_leaves_the_process_as_it_found_it(encoded, vocab_dir):
@@ -317,14 +324,14 @@ def test_product_attention_drops_attention_weights_in_bulk_as_scaled_dot_product
     assert torch.equal(attention.attend(q, k, v, None, False), dropped)  # its masks follow torch's seed
 
 
-@pytest.mark.parametrize("compiled", ["loss", True])
+@pytest.mark.parametrize("compiled", ["loss", True, "layers"])
 def test_a_cpu_trainer_draws_dropout_in_bulk_where_its_model_runs_eager(encoded, vocab_dir, compiled):
     from stages.train_cpu import BulkDropout
 
     trainer = train.Trainer(TINY, train_params(compile=compiled), encoded_dir=encoded[0], vocab_dir=vocab_dir,
                             accelerator=_accelerator())
     layers = [type(m) for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout | BulkDropout)]
-    bulk = default_device().type == "cpu" and compiled is not True  # compiled, inductor draws the masks
+    bulk = default_device().type == "cpu" and compiled == "loss"  # compiled, inductor draws the masks
     assert layers and set(layers) == ({BulkDropout} if bulk else {torch.nn.Dropout})
     trainer.close()
 
@@ -354,7 +361,7 @@ def test_a_step_that_fails_to_compile_trains_eager_after_one_warning(encoded, vo
     monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", no_compiler)
     torch._dynamo.reset()
     history = {}
-    for compiled in (False, True, "loss"):
+    for compiled in (False, True, "layers", "loss"):
         config = dataclasses.replace(TINY, dropout=0.0)
         out = tmp_path / str(compiled)
         metrics = train.run(config, train_params(max_steps=4, compile=compiled, log_every=1, validate_every=2),
@@ -363,10 +370,11 @@ def test_a_step_that_fails_to_compile_trains_eager_after_one_warning(encoded, vo
         checkpoint = read_checkpoint(current_dir(out) / "checkpoint-00000004.pt")
         history[compiled] = [(r["loss"], r["grad_norm"]) for r in checkpoint.parts["progress"]["history"]]
         assert compiled or "compile_seconds" not in metrics  # eager: no time compiling to report
-    assert history[True] == history["loss"] == history[False]
+    assert history[True] == history["layers"] == history["loss"] == history[False]
     warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning")]
-    assert len(warnings) == 2, warnings  # one a run that compiles
-    for warning, step in zip(warnings, ("compiled", "loss-compiled (the model eager)"), strict=True):
+    assert len(warnings) == 3, warnings  # one a run that compiles
+    steps = ("compiled", "layer-compiled (each layer and the loss)", "loss-compiled (the model eager)")
+    for warning, step in zip(warnings, steps, strict=True):
         assert warning.startswith(f"warning: the {step} step failed to compile (InvalidCxxCompiler: No working C++ "
                                   f"compiler found in torch._inductor.config.cpp.cxx")
         assert warning.endswith("); training goes on eager")
@@ -626,7 +634,7 @@ def test_compiled_training_equals_eager_and_compiles_once_for_all_lengths(encode
     from transformer.model import Transformer
 
     history, models, graphs, compiling = {}, {}, {}, {}
-    runs = [(False, 0.0), (True, 0.0)] + ([(True, TINY.dropout)] if shapes == "buckets" else [])
+    runs = [(False, 0.0), (True, 0.0)] + ([(True, TINY.dropout)] if shapes == "buckets" else [("layers", 0.0)])
     for compiled, dropout in runs:
         config = dataclasses.replace(TINY, dropout=dropout)
         torch._dynamo.reset()
@@ -644,11 +652,14 @@ def test_compiled_training_equals_eager_and_compiles_once_for_all_lengths(encode
         history[compiled, dropout] = [r["loss"] for r in checkpoint.parts["progress"]["history"]]
         models[compiled, dropout] = Transformer(config, checkpoint.meta.vocab_size, 0).eval()
         models[compiled, dropout].load_state_dict(checkpoint.parts["model"])
-    # training and validation (eval mode) at the end: not one graph per batch shape, and not none
-    assert graphs == {run: (2 if run[0] else 0) for run in runs}
+    # training and validation (eval mode) at the end: not one graph per batch shape, and not none; layer by
+    # layer, a graph for each kind of layer and for the loss, each trained and evaluated
+    assert graphs == {run: {False: 0, True: 2, "layers": 6}[run[0]] for run in runs}
     # the time compiling is logged where a graph compiled (the first step's, then the eval graph's at step 8),
     # and is in the run's figures
     assert compiling == {run: ([(1, True), (8, True)], True) if run[0] else ([], False) for run in runs}
+    if ("layers", 0.0) in history:
+        assert history["layers", 0.0] == pytest.approx(history[False, 0.0], rel=1e-4)
     trainer = _trainer(encoded[0], vocab_dir, shapes=shapes)
     seen = {tuple(x.shape for x in trainer.inputs.prepare(trainer.sampler).micro[0]) for _ in range(8)}
     assert len(seen) >= 3  # the steps' batches came in several shapes
@@ -744,6 +755,23 @@ def test_cuda_graphs_need_a_gpu_compile_and_buckets(encoded, vocab_dir):
         with pytest.raises(PipelineError, match="train.cuda_graphs replays the step on a GPU, and this process "
                                                 "trains on cpu: set it to false"):
             _trainer(encoded[0], vocab_dir, cuda_graphs=True, compile=True, shapes="buckets")
+
+
+def test_compiled_layers_leave_the_weights_and_are_undone_to_run_as_written():
+    from transformer.model import Transformer
+
+    model = Transformer(TINY, 100, 0)
+    layers, names = [*model.encoder, *model.decoder], list(model.state_dict())
+    step = train.Compiled(train.forward_loss, part="layers", model=model)
+    assert step.layers == layers and all("forward" in vars(layer) for layer in layers)
+    assert list(model.state_dict()) == names  # checkpoints and averaging read the same names
+    assert step.undo() is train.forward_loss
+    assert not any("forward" in vars(layer) for layer in layers) and step.layers == []
+    for part, model_given in (("layers", None), ("loss", model), ("step", model)):
+        with pytest.raises(ValueError, match="the model is given where its layers are compiled, and only there"):
+            train.Compiled(train.forward_loss, part=part, model=model_given)
+    with pytest.raises(ValueError, match="a captured step is compiled whole"):
+        train.Compiled(train.forward_loss, captured=True, part="layers", model=model)
 
 
 def test_a_captured_step_has_a_graph_for_each_batch_shape_past_torchs_default_limit():

@@ -14,8 +14,9 @@ from bench.gpu import Sizes
 from stages.train_inputs import BatchCounts
 
 # The train stage's step settings measured, by name; "marian" is MarianMT's step.
-SYSTEMS = {"ours": {},  # as params.yaml has it: on a GPU, compiled, on bucket shapes
-           "eager": {"compile": False, "shapes": "exact"},  # each batch padded to its longest pair (a multiple of 8)
+SYSTEMS = {"ours": {},  # as params.yaml has it: on a GPU, compiled, each batch padded to its longest pair
+           "eager": {"compile": False, "shapes": "exact"},  # (a multiple of 8), as here
+           "layers": {"compile": "layers", "shapes": "exact"},  # each layer compiled, a graph a kind, and the loss
            "compiled": {"compile": True, "shapes": "buckets"},
            "captured": {"compile": True, "shapes": "buckets", "cuda_graphs": True}}
 # Steps before timing where the step is compiled: a dynamic-shape graph's first calls compile it, and
@@ -61,12 +62,12 @@ def throughput(sizes: Sizes, work: Path, model: str, system: str, accum: int) ->
 
 
 def warmup_steps(sizes: Sizes, system: str) -> int:
-    """Untimed steps before timing `system`: more where its whole step is compiled (here, as params.yaml
-    and the system's settings resolve); a loss compiled alone compiles once, in the first."""
+    """Untimed steps before timing `system`: more where its model is compiled (here, as params.yaml and
+    the system's settings resolve), whole or layer by layer; a loss compiled alone compiles once, in the first."""
     import torch
 
-    whole = system in SYSTEMS and train_params(**SYSTEMS[system]).resolved(gpu=torch.cuda.is_available()).compile
-    return max(sizes.warmup_steps, COMPILED_WARMUP) if whole is True else sizes.warmup_steps
+    compiled = system in SYSTEMS and train_params(**SYSTEMS[system]).resolved(gpu=torch.cuda.is_available()).compile
+    return max(sizes.warmup_steps, COMPILED_WARMUP) if compiled in (True, "layers") else sizes.warmup_steps
 
 
 def _ours(sizes: Sizes, work: Path, config, accum: int, settings: dict[str, Any]):
