@@ -75,6 +75,26 @@ def test_a_profiles_matrix_products_are_counted_at_their_own_flops():
                        "share": f"{2e9 / (2e9 + sum(e.self_cpu_time_total for e in events)):.1%}", "GFLOP/s": ""}
 
 
+def test_a_gpu_profile_sorts_its_kernels_into_kinds_by_their_names():
+    """bench.gpu's profile: kernels as a GPU profile names them, each counted once in its kind; the memory-
+    efficient attention kernels (CUTLASS-named) as attention, not as products."""
+    from bench.gpu.profile import OTHER, kernel_kinds
+
+    kernels = [("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", 3000.0),
+               ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNN", 1500.0),
+               ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", 900.0),
+               ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>>", 600.0),
+               ("triton_red_fused_native_layer_norm_native_dropout_0", 1200.0),
+               ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>", 300.0),
+               ("Memcpy HtoD (Pinned -> Device)", 90.0),
+               ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", 210.0)]
+    rows = kernel_kinds(kernels, steps=3)
+    assert [(r["kind"], r["ms a step"]) for r in rows] == [
+        ("matrix products", 1.5), ("attention", 0.5), ("inductor's generated kernels", 0.4),
+        ("optimizer and clipping", 0.1), (OTHER, 0.07), ("copies and casts", 0.03)]
+    assert rows[0]["share"] == f"{4500 / 7800:.1%}"
+
+
 def test_a_result_names_the_instruction_sets_that_set_a_cpus_training_speed(tmp_path, monkeypatch):
     zen4 = ("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16\n"
             "processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16\n")

@@ -103,10 +103,11 @@ def table(results: dict[str, Any]) -> str:
         lines += [""] + [f"{which} / MarianMT: {ratio:.2f}x" for which, ratio in results["over_marian"].items()]
         lines.append("")
     for r in results.get("profile", []):
-        busy = r["kernel_seconds_per_step"]
-        busy = f", its kernels {busy:.3f} s (the GPU busy {busy / r['step_seconds']:.0%})" if busy is not None else ""
-        lines += [f"Profile, {r['model']} {r['system']}: a step takes {r['step_seconds']:.3f} s without the "
-                  f"profiler{busy}; {r['steps']} steps under it:", "", "```", r["table"], "```", ""]
+        kinds = [f"| {k['kind']} | {k['ms a step']} | {k['share']} |" for k in r["kinds"]]
+        lines += [f"Profile, {r['model']} {r['system']}: {_step_time(r)}; {r['steps']} steps under it:", "",
+                  "```", r["table"], "```", "",
+                  *(["The kernels by kind:", "", "| kind | ms a step | share |", "|---|---|---|", *kinds, ""]
+                    if kinds else [])]
     if c := results.get("curves"):
         finals = ", ".join(f"{name} {loss:.3f}" for name, loss in c["final"].items())
         within = "; ".join(f"{name} within {d:.3%} ({'yes' if d <= c['limit'] else 'NO'})"
@@ -128,6 +129,13 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _step_time(profiled: dict[str, Any]) -> str:
+    """A profile's step time, and the share of it the GPU's kernels were busy."""
+    busy, step = profiled["kernel_seconds_per_step"], profiled["step_seconds"]
+    kernels = f", its kernels {busy:.3f} s (the GPU busy {busy / step:.0%})" if busy is not None else ""
+    return f"a step takes {step:.3f} s without the profiler{kernels}"
+
+
 def record_results(results: dict[str, Any]) -> None:
     """The parts that ran, as bench results (bench/results.py) for docs/performance.md."""
     size = " (smoke sizes)" if results["smoke"] else ""
@@ -145,6 +153,10 @@ def record_results(results: dict[str, Any]) -> None:
                 for r in throughput],
                "; ".join([*(f"{which} / MarianMT {ratio:.2f}x" for which, ratio in results["over_marian"].items()),
                           *(f"not finished: {why}" for why in unfinished)]))
+    for r in results.get("profile", []) if results["device"] != "cpu" else ():  # a CPU's profile has no kernels
+        record("gpu", f"profile {r['model']} {r['system']}{size}", f"Where a bf16 step of {results['batch_tokens']:,} "
+               f"target tokens spends the GPU's time, {r['model']} {r['system']}, by kind of kernel{size}", r["kinds"],
+               _step_time(r), tables={"The kernels taking the most time": r["kernels"]})
     if d := results.get("decode"):
         record("gpu", f"decode{size}", f"Beam search on the GPU, {d['sentences']} sentences of newstest2014, beam 4, "
                f"weights: {d['weights']}{size}", d["rows"], d["summary"])

@@ -5,8 +5,8 @@
 # step did not finish within 120 s (compiling), so it has 240.
 #
 #   bash bench/gpu/check.sh speed      # the CUDA test of the captured step's gradients against eager's; base:
-#                                      # the step by default (compiled), eager, MarianMT of the same shape,
-#                                      # and a profile of the default
+#                                      # the step by default (compiled whole), eager, MarianMT of the same
+#                                      # shape, the step with its layers compiled, and a profile of the default
 #   bash bench/gpu/check.sh capture    # base compiled on bucket shapes and captured (CUDA graphs, a graph per
 #                                      # shape); then big, by default and eager, while its share lasts
 #   bash bench/gpu/check.sh quality    # fp32 / bf16 / captured bf16 loss curves on the same batches; the Multi30k
@@ -36,7 +36,7 @@ case $what in
   speed)
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_train.py -k captured_steps 2>&1 \
       | tee "$out/captured-test.log" || true
-    python3 -m bench.gpu --models base --parts throughput,profile --systems ours,eager,marian \
+    python3 -m bench.gpu --models base --parts throughput,profile --systems ours,eager,marian,layers \
       --part-timeout 240 --budget 360 --out "$out/speed-base.json" || true ;;
   capture)
     python3 -m bench.gpu --models base --parts throughput --systems compiled,captured --part-timeout 240 \
