@@ -2,11 +2,12 @@
 # The GPU checks, each one command planned to end within 8 minutes (bench.gpu's --budget stops the parts
 # when their share is spent and reports those not begun; the machine's start is not counted). Part times
 # on one H100: the CUDA test 73 s, data 7 s, eager base 16 s, MarianMT 23 s; the default (compiled) base
-# step did not finish within 120 s (compiling), so it has 240.
+# step did not finish within 120 s (compiling), so speed times it after the steps that compile little or
+# nothing, with what is left of its 360 s up to 240.
 #
 #   bash bench/gpu/check.sh speed      # the CUDA test of the captured step's gradients against eager's; base:
-#                                      # the step by default (compiled whole), eager, MarianMT of the same
-#                                      # shape, the step with its layers compiled, and a profile of the default
+#                                      # the step eager, MarianMT of the same shape, the step with its layers
+#                                      # compiled, by default (compiled whole), and a profile of the default
 #   bash bench/gpu/check.sh capture    # base compiled on bucket shapes and captured (CUDA graphs, a graph per
 #                                      # shape); then big, by default and eager, while its share lasts
 #   bash bench/gpu/check.sh quality    # fp32 / bf16 / captured bf16 loss curves on the same batches; the Multi30k
@@ -36,7 +37,7 @@ case $what in
   speed)
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_train.py -k captured_steps 2>&1 \
       | tee "$out/captured-test.log" || true
-    python3 -m bench.gpu --models base --parts throughput,profile --systems ours,eager,marian,layers \
+    python3 -m bench.gpu --models base --parts throughput,profile --systems eager,marian,layers,ours \
       --part-timeout 240 --budget 360 --out "$out/speed-base.json" || true ;;
   capture)
     python3 -m bench.gpu --models base --parts throughput --systems compiled,captured --part-timeout 240 \
