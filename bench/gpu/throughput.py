@@ -13,9 +13,10 @@ from bench.common import model_config, train_params
 from bench.gpu import Sizes
 from stages.train_inputs import BatchCounts
 
-# The train stage's step settings measured, by name; "marian" is MarianMT's step.
-SYSTEMS = {"ours": {},  # as params.yaml has it: on a GPU, compiled, each batch padded to its longest pair
-           "eager": {"compile": False, "shapes": "exact"},  # (a multiple of 8), as here
+# The train stage's step settings measured, by name; "marian" is MarianMT's step. Exact shapes: each batch
+# padded to its longest pair (on a GPU, to a multiple of 8).
+SYSTEMS = {"ours": {},  # as params.yaml has it: on a GPU, compiled whole, on exact shapes
+           "eager": {"compile": False, "shapes": "exact"},
            "layers": {"compile": "layers", "shapes": "exact"},  # each layer compiled, a graph a kind, and the loss
            "compiled": {"compile": True, "shapes": "buckets"},
            "captured": {"compile": True, "shapes": "buckets", "cuda_graphs": True}}
