@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -99,8 +100,14 @@ def _commit(root: Path = ROOT) -> str:
     return f"{head} and uncommitted changes" if changed else head
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+def _slug(text: str, most: int = 120) -> str:
+    """A name part of letters, digits and dashes. One past `most` characters (a try of many overrides) is
+    cut and ends in a hash of the whole, so that a file name stays within the 255 bytes file systems allow
+    and two such cases still keep a file each; the record itself holds the case in full."""
+    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    if len(slug) <= most:
+        return slug
+    return f"{slug[:most - 11].rstrip('-')}-{hashlib.sha256(slug.encode()).hexdigest()[:10]}"
 
 
 def portable(arg: str) -> str:

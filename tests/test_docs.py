@@ -8,6 +8,7 @@ import contextlib
 import functools
 import importlib
 import io
+import json
 import re
 import shlex
 import subprocess
@@ -110,6 +111,16 @@ def test_a_result_names_the_instruction_sets_that_set_a_cpus_training_speed(tmp_
                                results_dir=tmp_path)
     assert zen4_file.name == "demo--isa--amd-epyc-avx512-bf16-2-cores.json"
     assert zen3_file.name == "demo--isa--amd-epyc-avx2-2-cores.json" and zen4_file.is_file()  # one file each
+
+
+def test_a_try_of_many_overrides_records_in_a_file_of_its_own(tmp_path):
+    """A file name past 255 bytes fails at the end of a run; the case, cut, keeps a hash of the whole."""
+    overrides = " ".join(f"-S model.setting_{i}=value" for i in range(20))
+    paths = [results.record("multi30k", f"en-de {overrides} -S train.max_steps={steps}", "A try",
+                            [{"split": "val", "sacreBLEU": 40.0}], "", results_dir=tmp_path)
+             for steps in (7000, 8000)]
+    assert paths[0] != paths[1] and all(len(path.name) < 255 for path in paths)
+    assert [json.loads(path.read_text())["case"][-4:] for path in paths] == ["7000", "8000"]  # held in full
 
 
 def test_a_result_from_code_no_commit_holds_says_so_but_not_for_results_alone(tmp_path):
