@@ -112,7 +112,8 @@ def _slug(text: str, most: int = 120) -> str:
 
 def portable(arg: str) -> str:
     """An argument as a command on another machine reads it: a path of the checkout relative to it (the
-    shared data as ../shared/data), any other absolute path as a placeholder for its folder."""
+    shared data as ../shared/data), any other absolute path as `<dir>/` and its last two parts, so that no
+    folder of this machine lands in a record."""
     if not arg.startswith("/"):
         return arg
     path = Path(arg)
