@@ -113,6 +113,13 @@ def test_a_result_names_the_instruction_sets_that_set_a_cpus_training_speed(tmp_
     assert zen3_file.name == "demo--isa--amd-epyc-avx2-2-cores.json" and zen4_file.is_file()  # one file each
 
 
+def test_a_recorded_command_names_no_folder_of_this_machine():
+    assert results.portable(str(ROOT / "bench/results")) == "bench/results"
+    assert results.portable(str(ROOT.parent / "shared/data/multi30k")) == "../shared/data/multi30k"
+    assert results.portable("/home/someone/runs/tiny/params.yaml") == "<dir>/tiny/params.yaml"
+    assert results.portable("train.max_steps=8000") == "train.max_steps=8000"
+
+
 def test_a_try_of_many_overrides_records_in_a_file_of_its_own(tmp_path):
     """A file name past 255 bytes fails at the end of a run; the case, cut, keeps a hash of the whole."""
     overrides = " ".join(f"-S model.setting_{i}=value" for i in range(20))
