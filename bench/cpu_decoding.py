@@ -11,7 +11,8 @@ in turn (best of --repeats), with the ratio and the largest difference of their 
   oneDNN would give without the size limit;
 - a step's linear layers of a --decoder-layers deep decoder, in the order a step runs them (so each
   weight comes from memory, as in decoding): PackedLinear (oneDNN on weights packed once, the
-  feed-forward's ReLU in its first product) against nn.Linear (MKL) and a ReLU of its own, and fbgemm's
+  feed-forward's ReLU in its first product; small products through MKL on Intel CPUs) against
+  nn.Linear (MKL) and a ReLU of its own and against oneDNN alone (small_by_mkl off), and fbgemm's
   product of the weights in fp16 (HalfWeights.narrow, decode.precision fp16) against PackedLinear: where
   it stops paying is HalfWeights' FEW_ROWS;
 - a step's attention at --keys keys, self-attention (one query per matrix) and attention to the source
@@ -103,6 +104,8 @@ def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats
     relu = [n_out == d_ff for _, n_out in per_layer] * layers
     plain = [nn.Linear(n_in, n_out) for n_in, n_out in per_layer * layers]
     ours = [cpu.PackedLinear(linear.weight, linear.bias, relu=r) for linear, r in zip(plain, relu, strict=True)]
+    onednn = [cpu.PackedLinear(linear.weight, linear.bias, relu=r, small_by_mkl=False)
+              for linear, r in zip(plain, relu, strict=True)]  # what the small products through MKL replace
     half = ([cpu.half_weights(linear.weight, linear.bias, relu=r).narrow for linear, r in zip(plain, relu, strict=True)]
             if cpu.has_fp16_products() else None)  # fbgemm: x86 builds only
     megabytes = sum(linear.weight.nbytes for linear in plain) / 2**20
@@ -115,9 +118,12 @@ def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats
             return outputs if fused else [y.relu() if r else y for y, r in zip(outputs, relu, strict=True)]
 
         mkl, packed = _best(lambda: step(plain, False), repeats), _best(lambda: step(ours, True), repeats)
+        alone = _best(lambda: step(onednn, True), repeats)
         error = max(float((a - b).abs().max()) for a, b in zip(step(ours, True), step(plain, False), strict=True))
         row = {"d_model, d_ff": f"{d_model}, {d_ff}", "rows": n, "nn.Linear and ReLU (ms)": round(mkl * 1e3, 3),
-               "PackedLinear (ms)": round(packed * 1e3, 3), "PackedLinear / nn.Linear": f"{mkl / packed:.2f}x"}
+               "oneDNN alone (ms)": round(alone * 1e3, 3), "PackedLinear (ms)": round(packed * 1e3, 3),
+               "PackedLinear / nn.Linear": f"{mkl / packed:.2f}x", "PackedLinear / oneDNN alone":
+               f"{alone / packed:.2f}x"}
         fp16 = ""
         if half is not None:
             seconds = _best(lambda: step(half, True), repeats)
@@ -125,7 +131,8 @@ def linear_layers(d_model: int, d_ff: int, layers: int, rows: list[int], repeats
             row |= {"fp16 weights (ms)": round(seconds * 1e3, 3),
                     "PackedLinear / fp16 weights": f"{packed / seconds:.2f}x"}
         print(f"{layers} layers of d_model {d_model}, d_ff {d_ff} ({megabytes:.0f} MB of weights), {n:>5} rows: "
-              f"nn.Linear and ReLU {mkl * 1e3:7.2f} ms, PackedLinear {packed * 1e3:7.2f} ms: {mkl / packed:.2f}x"
+              f"nn.Linear and ReLU {mkl * 1e3:7.2f} ms, oneDNN alone {alone * 1e3:7.2f} ms, PackedLinear "
+              f"{packed * 1e3:7.2f} ms: {mkl / packed:.2f}x and {alone / packed:.2f}x"
               f"  (largest difference {error:.1e}){fp16}")
         table.append(row)
     return table
@@ -308,7 +315,8 @@ def main() -> None:
                                                                       args.repeats)]
     record("cpu_decoding", f"linear layers {args.layers} rows {args.rows}{other}", f"A decoding step's linear layers "
            f"({args.decoder_layers} decoder layers, weights from memory), {threads}", table, "PackedLinear against "
-           f"nn.Linear: {_spread([float(r['PackedLinear / nn.Linear'][:-1]) for r in table])}" + (
+           f"nn.Linear: {_spread([float(r['PackedLinear / nn.Linear'][:-1]) for r in table])}, against oneDNN "
+           f"alone: {_spread([float(r['PackedLinear / oneDNN alone'][:-1]) for r in table])}" + (
                "; fp16 weights against PackedLinear: " + ", ".join(
                    f"{_spread([float(r['PackedLinear / fp16 weights'][:-1]) for r in table if r['rows'] == n])} "
                    f"at {n} rows" for n in rows) if cpu.has_fp16_products() else ""))

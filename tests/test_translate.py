@@ -360,6 +360,43 @@ def test_fp32_on_cpus_runs_every_product_on_packed_weights_as_the_plain_model(av
         torch.testing.assert_close(small, expected[:8], rtol=1e-5, atol=1e-5)
 
 
+def test_packed_linear_takes_mkl_for_products_up_to_small_product_and_onednn_above(on_cpu, monkeypatch):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(1024, 256), torch.randn(1024)
+    by_mkl = cpu.PackedLinear(weight, bias, relu=True, small_by_mkl=True)
+    onednn = cpu.PackedLinear(weight, bias, relu=True, small_by_mkl=False)
+    assert by_mkl.mkl_rows == 8 == cpu.SMALL_PRODUCT // weight.numel()
+    calls, linear = [], torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *rest: calls.append(x.shape[0]) or linear(x, *rest))
+    with torch.inference_mode():
+        for module, through_mkl in ((by_mkl, [1, 8]), (onednn, [])):
+            calls.clear()
+            for rows in (1, 8, 9, 100):  # up to 8 rows: 2^21 multiply-adds at most
+                x = torch.randn(rows, 1, 256)
+                expected = (x @ weight.t() + bias).relu()  # the reference, by neither path
+                torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-4)
+            assert calls == through_mkl
+
+
+def test_mkl_counts_as_fast_on_intel_cpus_only(tmp_path, monkeypatch):
+    info = tmp_path / "cpuinfo"
+    for vendor in ("GenuineIntel", "AuthenticAMD"):
+        info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 25\n\nprocessor\t: 1\n")
+        assert cpu.cpu_vendor(info) == vendor
+    info.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # an Arm CPU's: no vendor_id
+    assert cpu.cpu_vendor(info) is None
+    assert cpu.cpu_vendor(tmp_path / "absent") is None
+    try:
+        mkl = torch.backends.mkl.is_available()
+        for vendor, fast in (("GenuineIntel", mkl), ("AuthenticAMD", False), (None, False)):
+            monkeypatch.setattr(cpu, "cpu_vendor", lambda vendor=vendor: vendor)
+            cpu.mkl_is_fast.cache_clear()
+            assert cpu.mkl_is_fast() == fast
+    finally:
+        monkeypatch.undo()
+        cpu.mkl_is_fast.cache_clear()
+
+
 def test_int8_model_runs_every_product_in_int8_close_to_fp32(averaged, on_cpu):
     fp32 = decode.load_translator(averaged[0], torch.device("cpu")).model
     int8 = decode.load_translator(averaged[0], torch.device("cpu"), "int8").model

@@ -1,8 +1,8 @@
-"""Decoding on CPUs: fp32 on oneDNN's packed weights, fp16 weights with fp32 arithmetic, or int8 on
-fbgemm's; attention and the beam's candidate selection as they run fastest there; glibc told to keep
-freed memory. Each a transform of the trained model; `prepare` applies those of a precision.
-`python -m bench.cpu_decoding` measures each against PyTorch's own way, alone and in decoding, and
-`python -m bench.decode` the whole against CTranslate2."""
+"""Decoding on CPUs: fp32 on oneDNN's packed weights (small products through MKL on Intel CPUs), fp16
+weights with fp32 arithmetic, or int8 on fbgemm's; attention and the beam's candidate selection as they
+run fastest there; glibc told to keep freed memory. Each a transform of the trained model; `prepare`
+applies those of a precision. `python -m bench.cpu_decoding` measures each against PyTorch's own way,
+alone and in decoding, and `python -m bench.decode` the whole against CTranslate2."""
 from __future__ import annotations
 
 import ctypes
@@ -10,8 +10,10 @@ import ctypes.util
 import functools
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from translate.beam_search import Select, top_k
@@ -40,19 +42,61 @@ def keep_freed_memory() -> None:
         mallopt(m_trim_threshold, 1 << 30)
 
 
+# Multiply-adds (rows x inputs x outputs) up to which MKL's product beats oneDNN's on packed weights, on
+# Intel CPUs: oneDNN's kernel is quick (3 us for 4 x 256 x 16, by ONEDNN_VERBOSE), but torch's call around
+# it takes about 20 us, more than MKL's whole product of this size (`python -m bench.cpu_decoding`: linear
+# layers, against oneDNN alone). A step of one sentence's beams at Multi30k's width is all such products.
+SMALL_PRODUCT = 1 << 21
+
+
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The CPU's vendor as Linux names it ("GenuineIntel", "AuthenticAMD"); None where it does not say."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
+@functools.cache
+def mkl_is_fast() -> bool:
+    """Whether MKL, behind nn.Linear in torch's x86 builds, runs its own kernels here: on Intel CPUs. On
+    others it takes generic ones: on 2 AMD EPYC cores a decoding step's products at 4 rows ran 1.32x slower
+    through it than through oneDNN on packed weights (`python -m bench.cpu_decoding`: linear layers)."""
+    return torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
+
+
 class PackedLinear(nn.Module):
     """x W^T + b through oneDNN, with W reordered once into the blocked layout its kernels read and,
     for the feed-forward's first product, the ReLU applied in the same call. MKL's sgemm, behind
-    nn.Linear, packs W anew at every call and leaves the ReLU to a pass of its own
-    (`python -m bench.cpu_decoding`: linear layers)."""
+    nn.Linear, packs W anew at every call and leaves the ReLU to a pass of its own (`python -m
+    bench.cpu_decoding`: linear layers). Where MKL is fast (`small_by_mkl`, by default mkl_is_fast),
+    products of at most SMALL_PRODUCT multiply-adds run through it instead, on W as it is, which is kept
+    beside the packed copy for them."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, relu: bool = False) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, relu: bool = False,
+                 small_by_mkl: bool | None = None) -> None:
         super().__init__()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
+        weight = weight.detach().float()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = None if bias is None else bias.detach().float()
         self.activation = "relu" if relu else "none"
+        by_mkl = mkl_is_fast() if small_by_mkl is None else small_by_mkl
+        self.plain = weight if by_mkl else None
+        self.mkl_rows = SMALL_PRODUCT // weight.numel() if by_mkl else 0  # the most rows a product MKL runs has
+
+    def through_mkl(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs through MKL."""
+        return 0 < rows <= self.mkl_rows
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.plain is not None and self.through_mkl(x.numel() // x.size(-1)):
+            y = F.linear(x, self.plain, self.bias)
+            return y.relu_() if self.activation == "relu" else y
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, self.activation, [], "")
 
 
