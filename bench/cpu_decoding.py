@@ -22,16 +22,18 @@ in turn (best of --repeats), with the ratio and the largest difference of their 
   log-probabilities: best_candidates (the best chunks first) against a full top-k.
 --threads 1 shows what a second thread gives each.
 
-With a model, four translators of it, each with one transform more than the one before, translate the
+With a model, five translators of it, each with one transform more than the one before, translate the
 first --limit lines of --source in one process, alternating for --rounds rounds: plain (the model as
-trained), + decoding's attention (DecodingAttention), + PackedOutput, + PackedLinear (every linear
-layer, the ReLU fused: the CPU backend's whole fp32 set, as the decode stage runs it). All search with
-best_candidates and step with translate/step.py. It prints the medians (and each one's range over the
-rounds, as machines drift), each one's ratio to the one before and to plain, and how many lines all
-four translate the same (they should all be)."""
+trained), + decoding's attention (DecodingAttention), + PackedOutput, + PackedLinear on oneDNN alone
+(every linear layer, the ReLU fused), then + PackedLinear as the backend runs it (small products
+through MKL where it is fast: the CPU backend's whole fp32 set, as the decode stage runs it). All search
+with best_candidates and step with translate/step.py. It prints the medians (and each one's range over
+the rounds, as machines drift), each one's ratio to the one before and to plain, and how many lines all
+five translate the same (they should all be)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -206,10 +208,16 @@ def selection(vocab_sizes: list[int], sentences: list[int], repeats: int, beams:
     return table
 
 
-# The CPU backend's fp32 transforms in the order it applies them; each translator takes one more.
-TRANSFORMS = (("+ decoding's attention", cpu.attend_for_decoding), ("+ PackedOutput", cpu.pack_output),
-              ("+ PackedLinear", cpu.pack_linear_layers))
-VARIANTS = {"plain": (), **{name: tuple(t for _, t in TRANSFORMS[: i + 1]) for i, (name, _) in enumerate(TRANSFORMS)}}
+def _onednn_alone(model: Transformer) -> None:
+    cpu.pack_linear_layers(model, functools.partial(cpu.PackedLinear, small_by_mkl=False))
+
+
+# The CPU backend's fp32 transforms in the order it applies them, each translator one more; the linear layers'
+# on oneDNN alone, then as the backend packs them.
+_BEFORE_LINEAR = (cpu.attend_for_decoding, cpu.pack_output)
+VARIANTS = {"plain": (), "+ decoding's attention": _BEFORE_LINEAR[:1], "+ PackedOutput": _BEFORE_LINEAR,
+            "+ PackedLinear, oneDNN alone": (*_BEFORE_LINEAR, _onednn_alone),
+            "+ PackedLinear": (*_BEFORE_LINEAR, cpu.pack_linear_layers)}
 
 
 def _translator(model_path: Path, transforms: tuple[Callable[[Transformer], None], ...]) -> Translator:
