@@ -254,7 +254,7 @@ def decoding(model_path: Path, vocab_dir: Path, source: Path, limit: int, rounds
     previous, table = medians["plain"], []
     for name, median in medians.items():
         low, high = min(times[name]) * 1e3, max(times[name]) * 1e3
-        print(f"  {name:<24} {median * 1e3:8.0f} ms  (rounds {low:.0f}-{high:.0f}; this transform alone "
+        print(f"  {name:<30} {median * 1e3:8.0f} ms  (rounds {low:.0f}-{high:.0f}; this transform alone "
               f"{previous / median:.2f}x, plain / this {medians['plain'] / median:.2f}x)")
         table.append({"translator": name, "median ms": round(median * 1e3), "this transform alone":
                       f"{previous / median:.2f}x", "plain / this": f"{medians['plain'] / median:.2f}x",
