@@ -76,7 +76,7 @@ class PackedLinear(nn.Module):
     nn.Linear, packs W anew at every call and leaves the ReLU to a pass of its own (`python -m
     bench.cpu_decoding`: linear layers). Where MKL is fast (`small_by_mkl`, by default mkl_is_fast),
     products of at most SMALL_PRODUCT multiply-adds run through it instead, on W as it is, which is kept
-    beside the packed copy for them."""
+    beside the packed copy for them (for no weight of more than SMALL_PRODUCT elements)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, relu: bool = False,
                  small_by_mkl: bool | None = None) -> None:
@@ -86,8 +86,8 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float()
         self.activation = "relu" if relu else "none"
         by_mkl = mkl_is_fast() if small_by_mkl is None else small_by_mkl
-        self.plain = weight if by_mkl else None
         self.mkl_rows = SMALL_PRODUCT // weight.numel() if by_mkl else 0  # the most rows a product MKL runs has
+        self.plain = weight if self.mkl_rows else None  # kept only where some product can use it
 
     def through_mkl(self, rows: int) -> bool:
         """Whether a product of `rows` rows runs through MKL."""
