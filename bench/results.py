@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from translate.cpuinfo import first_cpu
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"  # where record writes, unless BENCH_RESULTS names another folder (smoke runs)
 PAGE = ROOT / "docs" / "performance.md"
@@ -36,18 +38,9 @@ ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16",
 def machine(cpuinfo: str | None = None) -> dict[str, Any]:
     """What ran the bench: the GPU's name where torch sees one, the CPU's model, cores and the instruction
     sets of ISA_FLAGS it has always (from /proc/cpuinfo, or `cpuinfo`)."""
-    cpu, flags = platform.processor() or platform.machine(), set()
-    try:
-        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            cpu = value.strip()
-        elif key.strip() == "flags":
-            flags = set(value.split())
-            break
+    fields = first_cpu(cpuinfo)
+    cpu = fields.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
     found: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "gpu": None,
                              "isa": [name for flag, name in ISA_FLAGS.items() if flag in flags]}
     if "torch" in sys.modules:

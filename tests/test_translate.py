@@ -17,7 +17,7 @@ from conftest import BOS, EOS, PAD, freed_bytes_kept, tiny_model
 from stages import decode, vocab
 from stages.io import read_lines
 from stages.params import DecodeParams, Precision
-from translate import cpu, translator as translator_module
+from translate import cpu, cpuinfo, translator as translator_module
 from translate.translator import PRECISIONS, Translator
 from translate.beam_search import STOPS, beam_search
 from translate.cache import GrowingKVCache, SourceKVCache
@@ -380,18 +380,15 @@ def test_packed_linear_takes_mkl_for_products_up_to_small_product_and_onednn_abo
     assert large.plain is None and not large.through_mkl(1)  # no plain copy kept for it
 
 
-def test_mkl_counts_as_fast_on_intel_cpus_only(tmp_path, monkeypatch):
-    info = tmp_path / "cpuinfo"
-    for vendor in ("GenuineIntel", "AuthenticAMD"):
-        info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 25\n\nprocessor\t: 1\n")
-        assert cpu.cpu_vendor(info) == vendor
-    info.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # an Arm CPU's: no vendor_id
-    assert cpu.cpu_vendor(info) is None
-    assert cpu.cpu_vendor(tmp_path / "absent") is None
+def test_mkl_counts_as_fast_on_intel_cpus_only(monkeypatch):
+    intel, amd = ("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2\n\nprocessor\t: 1\n"
+                  "vendor_id\t: GenuineIntel\n", "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\n"  # no vendor_id
+    assert cpuinfo.first_cpu(intel) == {"processor": "0", "vendor_id": "GenuineIntel", "flags": "fpu avx2"}
     try:
         mkl = torch.backends.mkl.is_available()
-        for vendor, fast in (("GenuineIntel", mkl), ("AuthenticAMD", False), (None, False)):
-            monkeypatch.setattr(cpu, "cpu_vendor", lambda vendor=vendor: vendor)
+        for text, fast in ((intel, mkl), (amd, False), (arm, False), ("", False)):
+            monkeypatch.setattr(cpu, "first_cpu", lambda text=text: cpuinfo.first_cpu(text))
             cpu.mkl_is_fast.cache_clear()
             assert cpu.mkl_is_fast() == fast
     finally:

@@ -10,13 +10,13 @@ import ctypes.util
 import functools
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from translate.beam_search import Select, top_k
+from translate.cpuinfo import first_cpu
 from translate.transforms import replace_modules, swap_class
 from transformer.attention import MultiHeadAttention, attention_by_products
 from transformer.layers import FeedForward
@@ -49,25 +49,12 @@ def keep_freed_memory() -> None:
 SMALL_PRODUCT = 1 << 21
 
 
-def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
-    """The CPU's vendor as Linux names it ("GenuineIntel", "AuthenticAMD"); None where it does not say."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    return value.strip()
-    except OSError:
-        pass
-    return None
-
-
 @functools.cache
 def mkl_is_fast() -> bool:
     """Whether MKL, behind nn.Linear in torch's x86 builds, runs its own kernels here: on Intel CPUs. On
     others it takes generic ones: on 2 AMD EPYC cores a decoding step's products at 4 rows ran 1.32x slower
     through it than through oneDNN on packed weights (`python -m bench.cpu_decoding`: linear layers)."""
-    return torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
+    return torch.backends.mkl.is_available() and first_cpu().get("vendor_id") == "GenuineIntel"
 
 
 class PackedLinear(nn.Module):
