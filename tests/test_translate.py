@@ -366,8 +366,8 @@ def test_packed_linear_takes_mkl_for_products_up_to_small_product_and_onednn_abo
     by_mkl = cpu.PackedLinear(weight, bias, relu=True, small_by_mkl=True)
     onednn = cpu.PackedLinear(weight, bias, relu=True, small_by_mkl=False)
     assert by_mkl.mkl_rows == 8 == cpu.SMALL_PRODUCT // weight.numel()
-    calls, linear = [], torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *rest: calls.append(x.shape[0]) or linear(x, *rest))
+    calls, addmm = [], torch.addmm
+    monkeypatch.setattr(torch, "addmm", lambda bias, x, *rest: calls.append(x.shape[0]) or addmm(bias, x, *rest))
     with torch.inference_mode():
         for module, through_mkl in ((by_mkl, [1, 8]), (onednn, [])):
             calls.clear()
@@ -376,8 +376,11 @@ def test_packed_linear_takes_mkl_for_products_up_to_small_product_and_onednn_abo
                 expected = (x @ weight.t() + bias).relu()  # the reference, by neither path
                 torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-4)
             assert calls == through_mkl
+    no_bias, x = cpu.PackedLinear(weight, None, small_by_mkl=True), torch.randn(4, 1, 256)
+    with torch.inference_mode():
+        torch.testing.assert_close(no_bias(x), x @ weight.t(), rtol=1e-5, atol=1e-4)
     large = cpu.PackedLinear(torch.randn(2048, 1025), None, small_by_mkl=True)  # over 2^21 multiply-adds at 1 row
-    assert large.plain is None and not large.through_mkl(1)  # no plain copy kept for it
+    assert large.weight_t is None and not large.through_mkl(1)  # no plain copy kept for it
 
 
 def test_mkl_counts_as_fast_on_intel_cpus_only(monkeypatch):
