@@ -62,9 +62,9 @@ class PackedLinear(nn.Module):
     nn.Linear, packs W anew at every call and leaves the ReLU to a pass of its own (`python -m
     bench.cpu_decoding`: linear layers). Where MKL is fast (`small_by_mkl`, by default mkl_is_fast),
     products of at most SMALL_PRODUCT multiply-adds run through it instead, on W^T kept contiguous beside
-    the packed copy (for no weight of more than SMALL_PRODUCT elements): at 4 to 16 rows MKL reads it
-    1.1-1.6x faster than W through nn.Linear's transposed view (`python -m bench.cpu_decoding`: linear
-    layers, PackedLinear against nn.Linear)."""
+    the packed copy (for no weight of more than SMALL_PRODUCT elements), which MKL reads faster than W
+    through nn.Linear's transposed view: on one thread a step's layers at 4 and 8 rows 1.10x and 1.30x
+    nn.Linear's speed, on two within the noise (`python -m bench.cpu_decoding`: linear layers)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, relu: bool = False,
                  small_by_mkl: bool | None = None) -> None:
