@@ -103,9 +103,9 @@ def beam_search(
         B, beams = scores.shape
         lprobs = decoder.step(tokens).view(B, beams, -1)
         vocab = lprobs.size(-1)
-        at_limit = max_lengths.le(t + 1)
-        if at_limit.any():  # only EOS is left to these sentences' beams
-            limited = at_limit.nonzero().squeeze(1)
+        at_limit = [row for row, b in enumerate(active) if limits[b] <= t + 1]
+        if at_limit:  # only EOS is left to these sentences' beams
+            limited = torch.tensor(at_limit, device=device)
             eos_lprobs = lprobs[limited, :, eos]
             lprobs[limited] = float("-inf")
             lprobs[limited, :, eos] = eos_lprobs
@@ -114,20 +114,21 @@ def beam_search(
         ended = top_token.eq(eos)
 
         # Hypotheses that end among a sentence's best K candidates are finished: gathered in one go,
-        # so that Python sees a step's few, not a tensor call per hypothesis.
+        # so that Python sees a step's few, not a tensor call per hypothesis. The best K candidates that
+        # did not end live on: the first K where none ended (most steps), else ended ones sort last.
         ending_row, ending_j = ended[:, :K].nonzero().unbind(1)
-        if len(ending_row):
+        if not len(ending_row):
+            scores, kept_beam, kept_token = top_scores[:, :K], top_beam[:, :K], top_token[:, :K]
+        else:
             ending_scores = top_scores[ending_row, ending_j].tolist()
             prefixes = tokens[ending_row * beams + top_beam[ending_row, ending_j], 1:].tolist()
             lp = penalty(t + 1, alpha)
             for row, log_prob, prefix in zip(ending_row.tolist(), ending_scores, prefixes, strict=True):
                 if log_prob > float("-inf"):
                     finished[active[row]].append(Hypothesis(prefix, log_prob / lp, log_prob))
-
-        # The best K candidates that did not end live on; ended ones sort last.
-        rank = torch.arange(top_token.size(1), device=device).expand(B, -1) + ended.long() * 2 * K
-        keep = rank.topk(K, dim=1, largest=False).indices
-        scores = top_scores.gather(1, keep)
+            rank = torch.arange(top_token.size(1), device=device).expand(B, -1) + ended.long() * 2 * K
+            keep = rank.topk(K, dim=1, largest=False).indices
+            scores, kept_beam, kept_token = (x.gather(1, keep) for x in (top_scores, top_beam, top_token))
         if stop == "finished":
             searching = [row for row, b in enumerate(active) if not (t + 1 >= limits[b] or len(finished[b]) >= K)]
         else:
@@ -136,14 +137,13 @@ def beam_search(
                 t + 1 >= limits[b] or _settled(finished[b], K, best_alive[row], penalty(limits[b], alpha)))]
         if not searching:
             break
-        order = (torch.arange(B, device=device)[:, None] * beams + top_beam.gather(1, keep)).view(-1)
-        tokens = torch.cat([tokens.index_select(0, order), top_token.gather(1, keep).view(-1, 1)], dim=1)
+        order = (torch.arange(B, device=device)[:, None] * beams + kept_beam).view(-1)
+        tokens = torch.cat([tokens.index_select(0, order), kept_token.reshape(-1, 1)], dim=1)
         rows = None
         if len(searching) < B:  # drop the done sentences' rows from every state
             rows = torch.tensor(searching, device=device)
             beam_rows = (rows[:, None] * K + torch.arange(K, device=device)).view(-1)
             order, tokens, scores = order[beam_rows], tokens[beam_rows], scores[rows]
-            max_lengths = max_lengths[rows]
             active = [active[row] for row in searching]
         decoder.reorder(order, rows)
     return [sorted(f, key=lambda h: h.score, reverse=True) for f in finished]
