@@ -380,7 +380,7 @@ def test_packed_linear_takes_mkl_for_products_up_to_small_product_and_onednn_abo
     with torch.inference_mode():
         torch.testing.assert_close(no_bias(x), x @ weight.t(), rtol=1e-5, atol=1e-4)
     large = cpu.PackedLinear(torch.randn(2048, 1025), None, small_by_mkl=True)  # over 2^21 multiply-adds at 1 row
-    assert large.weight_t is None and not large.through_mkl(1)  # no plain copy kept for it
+    assert large.weight_t is None and not large.through_mkl(1)  # no transposed copy kept for it
 
 
 def test_mkl_counts_as_fast_on_intel_cpus_only(monkeypatch):
