@@ -383,11 +383,14 @@ def test_packed_linear_takes_mkl_for_products_up_to_small_product_and_onednn_abo
     assert large.weight_t is None and not large.through_mkl(1)  # no transposed copy kept for it
 
 
-def test_mkl_counts_as_fast_on_intel_cpus_only(monkeypatch):
+def test_mkl_counts_as_fast_on_intel_cpus_only(tmp_path, monkeypatch):
     intel, amd = ("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2\n\nprocessor\t: 1\n"
                   "vendor_id\t: GenuineIntel\n", "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
     arm = "processor\t: 0\nBogoMIPS\t: 50.00\n"  # no vendor_id
     assert cpuinfo.first_cpu(intel) == {"processor": "0", "vendor_id": "GenuineIntel", "flags": "fpu avx2"}
+    monkeypatch.setattr(cpuinfo, "CPUINFO", tmp_path / "absent")  # not Linux: no file to read
+    assert cpuinfo.first_cpu() == {}
+    monkeypatch.undo()
     try:
         mkl = torch.backends.mkl.is_available()
         for text, fast in ((intel, mkl), (amd, False), (arm, False), ("", False)):
