@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.dvc_args:
                 print(shlex.join(presets.dvc_set_args(overrides)))
             else:
-                params = presets.apply_overrides(overrides)
+                if args.names and (note := presets.start_over_note(overrides)):
+                    print(note)
+                params = presets.apply_overrides(overrides, start_over=bool(args.names))
                 print(f"params.yaml: set {', '.join(overrides) or 'nothing'}")
                 print(model_size(params))
         elif args.command == "translate":
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             names = ["quickstart", *args.preset] if args.command == "quickstart" else args.preset
             overrides = presets.collect_overrides([], args.overrides)
             # A wrong preset, key or value stops here, in a line, before Prefect starts a server for the flow.
-            presets.layered({**presets.collect_overrides(names, []), **overrides})
+            presets.layered({**presets.collect_overrides(names, []), **overrides}, start_over=bool(names))
             from pipeline import flow
 
             flow.quiet_if_the_server_is_lost()

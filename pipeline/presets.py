@@ -1,8 +1,16 @@
 """Changing params.yaml: presets (presets/<name>.yaml, sets of dotted-key overrides), `-S key=value`
 overrides and the paper's Table 3 rows, layered onto params.yaml as `dvc exp run -S` does, its
-comments kept. The result is checked as params.yaml itself is before anything is written."""
+comments kept. The result is checked as params.yaml itself is before anything is written.
+
+Presets start over: a change that names presets is layered onto params.yaml as it was before the last
+presets the pipeline layered, so that `--preset multi30k` after the quickstart is the Multi30k preset,
+not it on the quickstart's settings, and a run's name (its presets and values) is its whole change. A
+change of `-S` values only is layered onto the file as it is (`-S train.max_steps=...` extends the last
+run). Beside params.yaml the pipeline keeps the file it layered presets onto and the digest of what it
+wrote; once the file is edited by anyone else, that edited file is the one presets go onto."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from pathlib import Path
@@ -87,26 +95,79 @@ def _set(data: dict[str, Any], key: str, value: Any, path: Path) -> None:
     parent[part] = value
 
 
-def layered(overrides: dict[str, Any], path: str | Path = PARAMS_FILE, text: str | None = None) -> Params:
-    """params.yaml (or `text`, a version of it named by `path`) with `overrides` layered on, in memory and
-    nothing written: for the stages run outside the pipeline (bench.gpu), where DVC's YAML library may
-    not be installed."""
+def _layers_file(path: Path) -> Path:
+    return path.with_name(f".{path.stem}-layers.json")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _base(path: Path, text: str) -> str:
+    """The file the pipeline last layered presets onto, where `text` (the file now) is what it wrote
+    since; else `text` itself: an edit by anyone else makes the edited file the base."""
+    try:
+        state = json.loads(_layers_file(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return text
+    if isinstance(state, dict) and isinstance(state.get("base"), str) and state.get("written") == _digest(text):
+        return state["base"]
+    return text
+
+
+def _start(path: Path, start_over: bool) -> tuple[str, str]:
+    """(the text a change is layered onto, the base to remember after it)."""
+    text = path.read_text(encoding="utf-8")
+    base = _base(path, text)
+    return (base if start_over else text), base
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else key).items()}
+
+
+def set_since_base(path: str | Path = PARAMS_FILE) -> list[str]:
+    """The dotted keys on which params.yaml differs from the file the pipeline last layered presets onto:
+    what a change that names presets sets back (none where someone else edited the file last)."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8") if text is None else text
+    text = path.read_text(encoding="utf-8")
+    base, now = (_flat(read_yaml(t, str(path))) for t in (_base(path, text), text))
+    return [key for key in now if now[key] != base.get(key)]
+
+
+def start_over_note(overrides: dict[str, Any], path: str | Path = PARAMS_FILE) -> str | None:
+    """The line that says which keys a change naming presets sets back, as they were before the last
+    presets (None where it sets none back)."""
+    back = [key for key in set_since_base(path) if key not in overrides]
+    return f"params.yaml: {', '.join(back)} as before the last presets (presets start over)" if back else None
+
+
+def layered(overrides: dict[str, Any], path: str | Path = PARAMS_FILE, text: str | None = None,
+            start_over: bool = False) -> Params:
+    """params.yaml (or `text`, a version of it named by `path`) with `overrides` layered on, in memory and
+    nothing written, from where `apply_overrides` would start: for checking a change before the flow
+    starts, and for the stages run outside the pipeline (bench.gpu), where DVC's YAML library may not be
+    installed."""
+    path = Path(path)
+    text = _start(path, start_over)[0] if text is None else text
     data = read_yaml(text, str(path))
     for key, value in overrides.items():
         _set(data, key, value, path)
     return build_params(data, f"{path} (with overrides {', '.join(overrides)})", text)  # the file's lines
 
 
-def apply_overrides(overrides: dict[str, Any], path: str | Path = PARAMS_FILE) -> Params:
-    """Set dotted keys in params.yaml, keeping its comments, after checking the result is valid."""
+def apply_overrides(overrides: dict[str, Any], path: str | Path = PARAMS_FILE, start_over: bool = False) -> Params:
+    """Set dotted keys in params.yaml, keeping its comments, after checking the result is valid; with
+    `start_over` (a change that names presets), in the file as it was before the last presets."""
     from ruamel.yaml import YAML  # DVC's own YAML library, which keeps comments
 
     path = Path(path)
+    start, base = _start(path, start_over)
     rt = YAML()
     rt.preserve_quotes = True
-    data = rt.load(path.read_text(encoding="utf-8"))
+    data = rt.load(start)
     for key, value in overrides.items():
         _set(data, key, _flow_style(value), path)
     buffer = io.StringIO()
@@ -114,4 +175,6 @@ def apply_overrides(overrides: dict[str, Any], path: str | Path = PARAMS_FILE) -
     params = parse_params(buffer.getvalue(), f"{path} (with overrides {', '.join(overrides)})")
     with atomic_write(path) as f:
         f.write(buffer.getvalue())
+    with atomic_write(_layers_file(path)) as f:
+        json.dump({"base": base, "written": _digest(buffer.getvalue())}, f)
     return params

@@ -9,7 +9,8 @@ import yaml
 from pipeline import config
 from pipeline.config import ROOT
 from pipeline.config import ConfigError, Params, load_params, parse_params
-from pipeline.presets import apply_overrides, dvc_set_args, layered, load_preset, preset_names, table3_rows
+from pipeline.presets import (apply_overrides, dvc_set_args, layered, load_preset, preset_names, start_over_note,
+                              table3_rows)
 
 BASE = config.PARAMS_FILE.read_text(encoding="utf-8")
 
@@ -128,6 +129,42 @@ def test_overrides_keep_comments_and_refuse_unknown_keys(tmp_path):
     with pytest.raises(ConfigError, match="train.max_steps: expected an integer"):
         apply_overrides({"train.max_steps": "many"}, path)
     assert yaml.safe_load(path.read_text(encoding="utf-8"))["train"]["max_steps"] == 7  # the bad ones wrote nothing
+
+
+def test_presets_start_over_from_the_file_before_the_last_presets_and_values_alone_stack(tmp_path):
+    """The README's commands in order: `--preset multi30k` after the quickstart or after an en-fr run is
+    the preset on the committed file, not on their settings; `-S` alone extends the file as it is."""
+    path, fresh = tmp_path / "params.yaml", tmp_path / "fresh.yaml"
+    fresh.write_text(BASE, encoding="utf-8")
+    multi30k = load_preset("multi30k")
+    alone = apply_overrides(multi30k, fresh)
+    path.write_text(BASE, encoding="utf-8")
+    quickstart = apply_overrides(load_preset("quickstart"), path, start_over=True)
+    assert quickstart.train.compile != alone.train.compile  # the quickstart's own, which multi30k does not set
+    extended = apply_overrides({"train.max_steps": 1600}, path)  # values alone: on the quickstart
+    assert extended == dataclasses.replace(quickstart, train=dataclasses.replace(quickstart.train, max_steps=1600))
+    note = start_over_note(multi30k, path)
+    assert note == "params.yaml: train.compile as before the last presets (presets start over)"
+    assert layered(multi30k, path, start_over=True) == apply_overrides(multi30k, path, start_over=True) == alone
+    french = apply_overrides({**multi30k, "download.tgt_lang": "fr"}, path, start_over=True)
+    assert french.download.tgt_lang == "fr"
+    assert apply_overrides(multi30k, path, start_over=True) == alone
+    assert start_over_note(multi30k, path) is None  # nothing to set back: the file is the preset's
+
+
+def test_presets_start_over_from_an_edit_by_hand_never_from_before_it(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(BASE.replace("max_tokens: 250", "max_tokens: 200"), encoding="utf-8")  # an edit before
+    assert apply_overrides(load_preset("quickstart"), path, start_over=True).clean.max_tokens == 200
+    assert apply_overrides(load_preset("multi30k"), path, start_over=True).clean.max_tokens == 200
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace("  seed: 1\n", "  seed: 5\n", 1), encoding="utf-8")  # an edit after: the base
+    edited = load_params(path)
+    amx = apply_overrides(load_preset("multi30k-amx"), path, start_over=True)
+    assert amx.vocab.seed == 5 and amx.vocab.vocab_size == edited.vocab.vocab_size == 8000  # multi30k's, kept
+    assert amx.train.max_steps == 3000
+    (tmp_path / ".params-layers.json").write_text("[not json", encoding="utf-8")  # a broken record: the file as it is
+    assert apply_overrides(load_preset("multi30k-amx"), path, start_over=True) == amx
 
 
 def test_unknown_preset_lists_the_known_ones():
@@ -262,6 +299,27 @@ def test_a_bench_base_is_the_committed_recipe_whatever_a_run_wrote_into_params_y
     out = subprocess.run([sys.executable, "-c", code], cwd=project, env=env_of(project), capture_output=True,
                          text=True, check=True)
     assert out.stdout.split() == ["128", "1024", "256"], out.stdout + out.stderr
+
+
+def test_the_preset_command_starts_over_and_says_what_it_sets_back(tmp_path_factory):
+    """The CLI's way in (the flow's is the same call): the quickstart, then Multi30k in French, then the
+    Multi30k preset: German again, and compiled as the preset is without the quickstart's setting."""
+    import subprocess
+    import sys
+
+    from conftest import copy_project, env_of
+
+    project = copy_project(tmp_path_factory)
+    outputs = [subprocess.run([sys.executable, "-m", "pipeline", "preset", *args], cwd=project, env=env_of(project),
+                              capture_output=True, text=True, check=True).stdout
+               for args in (["quickstart"], ["multi30k", "-S", "download.tgt_lang=fr"], ["multi30k"])]
+    assert "as before the last presets" not in outputs[0]
+    assert outputs[1].startswith("params.yaml: train.compile as before the last presets"), outputs[1]
+    assert outputs[2].startswith("params.yaml: download.tgt_lang as before the last presets"), outputs[2]
+    params = load_params(project / "params.yaml")
+    assert (params.download.tgt_lang, params.train.compile, params.model.d_model) == ("de", "auto", 256)
+    assert subprocess.run(["git", "status", "--porcelain", "--ignored", ".params-layers.json"], cwd=project,
+                          capture_output=True, text=True, check=True).stdout.startswith("!!")  # git ignores it
 
 
 @pytest.mark.parametrize("args, message", [
