@@ -129,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.dvc_args:
                 print(shlex.join(presets.dvc_set_args(overrides)))
             else:
-                if args.names and (note := presets.start_over_note(overrides)):
-                    print(note)
-                params = presets.apply_overrides(overrides, start_over=bool(args.names))
+                params = presets.apply(args.names, presets.collect_overrides([], args.overrides))
                 print(f"params.yaml: set {', '.join(overrides) or 'nothing'}")
                 print(model_size(params))
         elif args.command == "translate":

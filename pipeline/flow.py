@@ -205,10 +205,7 @@ FINISHED: dict[str, Any] = {}
 def pipeline(presets: list[str] | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any] | State:
     """Apply presets and overrides to params.yaml, then run every stage of dvc.yaml in order."""
     FINISHED.clear()
-    merged = {**presets_module.collect_overrides(presets or [], []), **(overrides or {})}
-    if presets and (note := presets_module.start_over_note(merged)):
-        print(note)
-    params = presets_module.apply_overrides(merged, start_over=bool(presets)) if merged else config.load_params()
+    params = presets_module.apply(presets or [], overrides or {}) if presets or overrides else config.load_params()
     experiment = tracking.experiment_name(params.download.src_lang, params.download.tgt_lang)
     tags = {"presets": ",".join(presets or []) or "none", "prefect_flow_run_id": str(flow_run.get_id())}
     with tracking.pipeline_run(experiment, run_name(presets or [], overrides or {}), config.as_flat_dict(params),

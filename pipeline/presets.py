@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,9 +116,15 @@ def _base(path: Path, text: str) -> str:
     return text
 
 
+def _read(path: Path) -> str:
+    if not path.is_file():
+        raise ConfigError(f"{path}: parameters file not found")
+    return path.read_text(encoding="utf-8")
+
+
 def _start(path: Path, start_over: bool) -> tuple[str, str]:
     """(the text a change is layered onto, the base to remember after it)."""
-    text = path.read_text(encoding="utf-8")
+    text = _read(path)
     base = _base(path, text)
     return (base if start_over else text), base
 
@@ -128,20 +135,23 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
     return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else key).items()}
 
 
-def set_since_base(path: str | Path = PARAMS_FILE) -> list[str]:
-    """The dotted keys on which params.yaml differs from the file the pipeline last layered presets onto:
-    what a change that names presets sets back (none where someone else edited the file last)."""
-    path = Path(path)
-    text = path.read_text(encoding="utf-8")
+def _set_back(overrides: dict[str, Any], path: Path) -> list[str]:
+    """The dotted keys a change naming presets sets back: where params.yaml differs from the file the
+    pipeline last layered presets onto, and `overrides` do not set them again."""
+    text = _read(path)
     base, now = (_flat(read_yaml(t, str(path))) for t in (_base(path, text), text))
-    return [key for key in now if now[key] != base.get(key)]
+    return [key for key in now if now[key] != base.get(key) and key not in overrides]
 
 
-def start_over_note(overrides: dict[str, Any], path: str | Path = PARAMS_FILE) -> str | None:
-    """The line that says which keys a change naming presets sets back, as they were before the last
-    presets (None where it sets none back)."""
-    back = [key for key in set_since_base(path) if key not in overrides]
-    return f"params.yaml: {', '.join(back)} as before the last presets (presets start over)" if back else None
+def apply(names: list[str], overrides: dict[str, Any], path: str | Path = PARAMS_FILE,
+          say: Callable[[str], Any] = print) -> Params:
+    """Presets `names`, then `overrides`, written into params.yaml as the module's docstring says: from
+    before the last presets where `names` are given, saying which keys that sets back."""
+    path = Path(path)
+    merged = {**collect_overrides(names, []), **overrides}
+    if names and (back := _set_back(merged, path)):
+        say(f"params.yaml: {', '.join(back)} as before the last presets (presets start over)")
+    return apply_overrides(merged, path, start_over=bool(names))
 
 
 def layered(overrides: dict[str, Any], path: str | Path = PARAMS_FILE, text: str | None = None,

@@ -9,8 +9,7 @@ import yaml
 from pipeline import config
 from pipeline.config import ROOT
 from pipeline.config import ConfigError, Params, load_params, parse_params
-from pipeline.presets import (apply_overrides, dvc_set_args, layered, load_preset, preset_names, start_over_note,
-                              table3_rows)
+from pipeline.presets import apply, apply_overrides, dvc_set_args, layered, load_preset, preset_names, table3_rows
 
 BASE = config.PARAMS_FILE.read_text(encoding="utf-8")
 
@@ -143,13 +142,13 @@ def test_presets_start_over_from_the_file_before_the_last_presets_and_values_alo
     assert quickstart.train.compile != alone.train.compile  # the quickstart's own, which multi30k does not set
     extended = apply_overrides({"train.max_steps": 1600}, path)  # values alone: on the quickstart
     assert extended == dataclasses.replace(quickstart, train=dataclasses.replace(quickstart.train, max_steps=1600))
-    note = start_over_note(multi30k, path)
-    assert note == "params.yaml: train.compile as before the last presets (presets start over)"
-    assert layered(multi30k, path, start_over=True) == apply_overrides(multi30k, path, start_over=True) == alone
-    french = apply_overrides({**multi30k, "download.tgt_lang": "fr"}, path, start_over=True)
-    assert french.download.tgt_lang == "fr"
-    assert apply_overrides(multi30k, path, start_over=True) == alone
-    assert start_over_note(multi30k, path) is None  # nothing to set back: the file is the preset's
+    said = []
+    assert layered(multi30k, path, start_over=True) == apply(["multi30k"], {}, path, said.append) == alone
+    assert said == ["params.yaml: train.compile as before the last presets (presets start over)"]
+    french = apply(["multi30k"], {"download.tgt_lang": "fr"}, path, said.append)
+    assert french.download.tgt_lang == "fr" and len(said) == 1  # nothing set back: the file was the preset's
+    assert apply(["multi30k"], {}, path, said.append) == alone
+    assert said[1] == "params.yaml: download.tgt_lang as before the last presets (presets start over)"
 
 
 def test_presets_start_over_from_an_edit_by_hand_never_from_before_it(tmp_path):
@@ -165,6 +164,15 @@ def test_presets_start_over_from_an_edit_by_hand_never_from_before_it(tmp_path):
     assert amx.train.max_steps == 3000
     (tmp_path / ".params-layers.json").write_text("[not json", encoding="utf-8")  # a broken record: the file as it is
     assert apply_overrides(load_preset("multi30k-amx"), path, start_over=True) == amx
+
+
+def test_a_missing_params_file_is_named_before_anything_is_written(tmp_path):
+    path = tmp_path / "params.yaml"
+    for change in (lambda: apply(["quickstart"], {}, path), lambda: layered({}, path, start_over=True),
+                   lambda: apply([], {"train.max_steps": 5}, path)):
+        with pytest.raises(ConfigError, match=f"{path}: parameters file not found"):
+            change()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unknown_preset_lists_the_known_ones():
