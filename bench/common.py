@@ -3,7 +3,11 @@ by the pipeline's own loader from params.yaml and presets (never restated here),
 of a corpus by the pipeline's own vocab and encode stages. Imports no torch, MLflow, Prefect or DVC."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +15,8 @@ from typing import Any
 from corpora.shared import location
 from pipeline.config import PARAMS_FILE, Params
 from pipeline.presets import collect_overrides, layered
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SHARED = location()  # the real text the tests read too: ../shared/data, or `make test-data`'s copy
 SAMPLE = SHARED / "wmt14/train-sample/hf-europarl-20k/train"
@@ -111,3 +117,35 @@ def prepare_corpora(work: Path, corpora: tuple[str, ...], vocab_size: int,
         encode.run(clean_dir=home / "text", vocab_dir=work / "vocab", out_dir=home / "encoded")
     pairs = counts[corpora[0]] if len(corpora) == 1 else counts
     return {"pairs": pairs, "vocab_size": vocab_size, "seconds": time.perf_counter() - start}
+
+
+def clone(dest: Path) -> Path:
+    """The checkout's committed files (and those not yet committed), as a fresh clone would have them."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split("\n")
+    for name in [*filter(None, listed), ".dvc/offline-plots.html"]:
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    for args in (["init", "-q"], ["add", "-A"], ["-c", "user.name=bench", "-c", "user.email=bench@localhost",
+                                                   "commit", "-qm", "bench clone"]):
+        subprocess.run(["git", *args], cwd=dest, check=True)
+    return dest
+
+
+def timed_pipeline(project: Path, args: list[str], splits: dict[str, str]) -> tuple[float, list[dict[str, Any]], int]:
+    """`python -m pipeline ARGS` in `project` as a user runs it (the Prefect flow over dvc.yaml, MLflow and all,
+    reaching no server of this shell's): (minutes end to end, a row of scores for each split of metrics/score.json
+    under its name in `splits`, training steps)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=project, env=env)
+    minutes = (time.perf_counter() - start) / 60
+    if proc.returncode != 0:
+        raise SystemExit(f"the pipeline failed (exit status {proc.returncode}) after {minutes:.1f} minutes")
+    scores = json.loads((project / "metrics/score.json").read_text(encoding="utf-8"))
+    steps = json.loads((project / "metrics/train.json").read_text(encoding="utf-8"))["steps"]
+    rows = [{"split": name, "sacreBLEU": round(scores[split]["bleu"], 2),
+             "lowercased tokenised BLEU": round(scores[split]["bleu_lc_tok"], 2),
+             "chrF": round(scores[split]["chrf"], 2)} for split, name in splits.items()]
+    return minutes, rows, steps

@@ -14,33 +14,11 @@ Run it alone: another job on the machine costs it minutes.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench.common import MULTI30K
+from bench.common import MULTI30K, clone, timed_pipeline
 from bench.results import record
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def clone(dest: Path) -> Path:
-    """The checkout's committed files (and those not yet committed), as a fresh clone would have them."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split("\n")
-    for name in [*filter(None, listed), ".dvc/offline-plots.html"]:
-        if (ROOT / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, dest / name)
-    for args in (["init", "-q"], ["add", "-A"], ["-c", "user.name=bench", "-c", "user.email=bench@localhost",
-                                                   "commit", "-qm", "bench.multi30k"]):
-        subprocess.run(["git", *args], cwd=dest, check=True)
-    return dest
 
 
 def main() -> None:
@@ -58,23 +36,11 @@ def main() -> None:
              "-S", f"download.local.dev={{src: val.en, tgt: val.{args.tgt}}}",
              "-S", f"download.local.test={{src: test_2016_flickr.en, tgt: test_2016_flickr.{args.tgt}}}"]
     with tempfile.TemporaryDirectory(prefix="bench-multi30k-") as tmp:
-        work = args.keep or Path(tmp)
-        project = clone(work / "project")
-        env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
+        project = clone((args.keep or Path(tmp)) / "project")
         layered = [a for name in args.presets for a in ("--preset", name)]
-        command = [sys.executable, "-m", "pipeline", "run", "--preset", "multi30k", *layered, *local,
-                   *[a for o in args.overrides for a in ("-S", o)]]
-        start = time.perf_counter()
-        proc = subprocess.run(command, cwd=project, env=env)
-        minutes = (time.perf_counter() - start) / 60
-        if proc.returncode != 0:
-            raise SystemExit(f"bench.multi30k: the pipeline failed (exit status {proc.returncode}) after "
-                             f"{minutes:.1f} minutes")
-        scores = json.loads((project / "metrics/score.json").read_text(encoding="utf-8"))
-        steps = json.loads((project / "metrics/train.json").read_text(encoding="utf-8"))["steps"]
-    rows = [{"split": name, "sacreBLEU": round(scores[split]["bleu"], 2),
-             "lowercased tokenised BLEU": round(scores[split]["bleu_lc_tok"], 2),
-             "chrF": round(scores[split]["chrf"], 2)} for split, name in (("test", "test2016"), ("dev", "val"))]
+        minutes, rows, steps = timed_pipeline(
+            project, ["run", "--preset", "multi30k", *layered, *local, *[a for o in args.overrides for a in ("-S", o)]],
+            {"test": "test2016", "dev": "val"})
     for row in rows:
         print(row)
     changes = " ".join(args.overrides)

@@ -26,7 +26,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the checkout's packages
-from bench.multi30k import clone  # noqa: E402 - after the path above
+from bench.common import clone  # noqa: E402 - after the path above
 DOCS = ROOT / "docs"
 SIZE = "1500,950"
 STEPS = 600  # long enough to be photographed while it trains
