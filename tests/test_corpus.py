@@ -23,6 +23,18 @@ def test_held_out_phrases_never_appear_in_training():
         assert not train & set((CORPUS / f"{name}.en").read_text().splitlines())
 
 
+def test_training_holds_most_of_every_construction():
+    """Held out phrase by phrase from all phrases, dev and test once took every "o'clock" phrase and ten of the
+    twelve "half past" ones: training never saw them, so no model could learn them."""
+    made = generate.splits()
+    constructions = {c for pairs in made.values() for c, _, _ in pairs}
+    for construction in constructions:
+        trained = {en for c, en, _ in made["train"] if c == construction}
+        held_out = {en for name in ("dev", "test") for c, en, _ in made[name] if c == construction}
+        assert len(trained) >= 2 * len(held_out), (construction, sorted(held_out))
+    assert {c for c, _, _ in made["train"]} == constructions
+
+
 @pytest.mark.parametrize(("n", "english", "german"), [
     (1, "one", "eins"), (21, "twenty-one", "einundzwanzig"), (101, "one hundred and one", "einhunderteins"),
     (1999, "one thousand nine hundred and ninety-nine", "eintausendneunhundertneunundneunzig"),
