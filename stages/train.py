@@ -31,7 +31,7 @@ from stages.devices import attention_kernels, default_device, keep_freed_host_me
     mixed_precision, peak_flops, processes
 from stages.encode import ParallelIds
 from stages.io import InputPath, OutputPath, PipelineError, Stopped, file_digest, require_dir
-from stages.model_files import ModelMeta, load_weights, read_model
+from stages.model_files import ModelMeta, list_checkpoints, load_weights, read_model
 from stages.params import TrainParams
 from stages.progress import Bar
 from stages.train_compile import Compiled, LossFunction, compile_seconds, persistent_gradients
@@ -57,16 +57,24 @@ RESUMABLE_CHANGES = {"max_steps", "log_every", "validate_every", "checkpoint_eve
 
 
 def run_identity(model_config: TransformerConfig, params: TrainParams, encoded_dir: Path, vocab_dir: Path,
-                 init_weights: Path | None) -> dict[str, Any]:
+                 init_weights: Path | None, checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
     """What identifies a run: what it trains (model, data, vocabulary, starting weights) and how (the
-    training parameters that alter the updates); a change starts a run of its own."""
+    training parameters that alter the updates); a change starts a run of its own. A run goes on to a
+    larger max_steps; where this setup's run in `checkpoint_dir` is already past max_steps, which it cannot
+    be taken back to (its checkpoints before are pruned, and averaging takes its newest), the shorter run is
+    one of its own, named by its max_steps too."""
     # a schedule that ends at max_steps makes max_steps alter every update
     resumable = RESUMABLE_CHANGES - ({"max_steps"} if params.schedule == "linear_decay" else set())
-    return {"model": asdict(model_config),
-            "train": {k: v for k, v in asdict(params).items() if k not in resumable},
-            "vocab": vocab.identity(vocab_dir),
-            "data": file_digest(*sorted(Path(encoded_dir).glob("train.*.npy"))),
-            **({"init": file_digest(init_weights)} if init_weights is not None else {})}
+    identity = {"model": asdict(model_config),
+                "train": {k: v for k, v in asdict(params).items() if k not in resumable},
+                "vocab": vocab.identity(vocab_dir),
+                "data": file_digest(*sorted(Path(encoded_dir).glob("train.*.npy"))),
+                **({"init": file_digest(init_weights)} if init_weights is not None else {})}
+    if checkpoint_dir is not None and "max_steps" not in identity["train"]:
+        found = list_checkpoints(setup_dir(checkpoint_dir, identity), snapshots=True)
+        if found and found[-1][0] > params.max_steps:
+            identity["train"]["max_steps"] = params.max_steps
+    return identity
 
 
 def micro_batches(setting: int | str, processes: int, recorded: int | None = None) -> int:
@@ -327,7 +335,8 @@ def workers(model_config: TransformerConfig, params: TrainParams, *, encoded_dir
     where they cannot share the run's micro-batches, refused before any starts."""
     n = processes(params.processes)
     if n > 1:
-        _split(params, n, run_identity(model_config, params, Path(encoded_dir), Path(vocab_dir), None), checkpoint_dir)
+        identity = run_identity(model_config, params, Path(encoded_dir), Path(vocab_dir), None, checkpoint_dir)
+        _split(params, n, identity, checkpoint_dir)
     return n
 
 
@@ -355,7 +364,10 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
     if acc.device.type == "cpu":
         keep_freed_host_memory()
     init = None if init_weights is None else Path(init_weights)
-    identity = run_identity(model_config, params, encoded_dir, Path(vocab_dir), init)
+    identity = run_identity(model_config, params, encoded_dir, Path(vocab_dir), init, checkpoint_dir)
+    if "max_steps" in identity["train"] and params.schedule != "linear_decay":
+        acc.print(f"this setup's run is past train.max_steps {params.max_steps}: a run of {params.max_steps} steps "
+                  "trains in a folder of its own", flush=True)
     split = _split(params, acc.num_processes, identity, checkpoint_dir)
     precision = {"no": "fp32"}.get(acc.mixed_precision, acc.mixed_precision)
     print(f"process {acc.process_index} of {acc.num_processes} on {acc.device} in {precision}: "

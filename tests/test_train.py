@@ -105,6 +105,29 @@ def test_a_changed_setup_trains_beside_the_other_and_going_back_retrains_nothing
     assert back["loss"] == first["loss"] and {p.name: p.stat().st_mtime_ns for p in first_dir.glob("*.pt")} == files
 
 
+def test_a_run_already_past_max_steps_leaves_a_shorter_one_to_train_in_a_folder_of_its_own(encoded, vocab_dir,
+                                                                                            tmp_path, capsys):
+    """Fewer steps than the setup's run has made: the stage trains that many, as a run of their own (its model
+    that of a run never longer), where it used to keep the longer run's model under the shorter run's name."""
+    def run(steps, root="c"):
+        return train.run(TINY, train_params(max_steps=steps), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+                         checkpoint_dir=tmp_path / root, plots_dir=tmp_path / "p")
+
+    run(6)
+    longer = current_dir(tmp_path / "c")
+    capsys.readouterr()
+    assert run(4)["steps"] == 4 and "past train.max_steps 4" in capsys.readouterr().out
+    shorter = current_dir(tmp_path / "c")
+    assert shorter != longer and [step for step, _ in list_checkpoints(shorter)] == [2, 4]
+    run(4, root="straight")
+    a = read_checkpoint(shorter / "checkpoint-00000004.pt").parts["model"]
+    b = read_checkpoint(current_dir(tmp_path / "straight") / "checkpoint-00000004.pt").parts["model"]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    assert run(6)["steps"] == 6 and current_dir(tmp_path / "c") == longer  # each goes back to its own, done
+    assert run(4)["steps"] == 4 and current_dir(tmp_path / "c") == shorter
+
+
 def test_a_run_whose_vocabulary_and_data_were_made_again_the_same_resumes(encoded, vocab_dir, cleaned, tmp_path,
                                                                           capsys):
     """A run is named by what it trains on, not by incidental bytes: the vocab and encode stages run
