@@ -49,7 +49,7 @@ def test_mlflow_holds_a_parent_run_with_a_nested_run_per_stage(flow_output, repo
     parents = [r for r in runs if r.data.tags.get("run_kind") == "pipeline"]
     assert len(parents) == 1
     parent = parents[0]
-    assert parent.info.run_name.startswith("quickstart max_steps=30 checkpoint_every_steps=10")
+    assert parent.info.run_name.startswith("quickstart max_steps=30 warmup_steps=30 checkpoint_every_steps=10")
     assert parent.info.status == "FINISHED" and "test_bleu" in parent.data.metrics
     assert parent.data.tags["presets"] == "quickstart" and len(parent.data.tags["git_commit"]) >= 40
     lock = hashlib.sha256((repo / "requirements.lock").read_bytes()).hexdigest()[:16]
