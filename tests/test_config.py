@@ -144,7 +144,7 @@ def test_presets_start_over_from_the_file_before_the_last_presets_and_values_alo
     assert extended == dataclasses.replace(quickstart, train=dataclasses.replace(quickstart.train, max_steps=1600))
     said = []
     assert layered(multi30k, path, start_over=True) == apply(["multi30k"], {}, path, said.append) == alone
-    assert said == ["params.yaml: train.compile as before the last presets (presets start over)"]
+    assert said == ["params.yaml: train.lr_scale, train.compile as before the last presets (presets start over)"]
     french = apply(["multi30k"], {"download.tgt_lang": "fr"}, path, said.append)
     assert french.download.tgt_lang == "fr" and len(said) == 1  # nothing set back: the file was the preset's
     assert apply(["multi30k"], {}, path, said.append) == alone
@@ -322,7 +322,7 @@ def test_the_preset_command_starts_over_and_says_what_it_sets_back(tmp_path_fact
                               capture_output=True, text=True, check=True).stdout
                for args in (["quickstart"], ["multi30k", "-S", "download.tgt_lang=fr"], ["multi30k"])]
     assert "as before the last presets" not in outputs[0]
-    assert outputs[1].startswith("params.yaml: train.compile as before the last presets"), outputs[1]
+    assert outputs[1].startswith("params.yaml: train.lr_scale, train.compile as before the last presets"), outputs[1]
     assert outputs[2].startswith("params.yaml: download.tgt_lang as before the last presets"), outputs[2]
     params = load_params(project / "params.yaml")
     assert (params.download.tgt_lang, params.train.compile, params.model.d_model) == ("de", "auto", 256)
