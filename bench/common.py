@@ -142,7 +142,8 @@ def timed_pipeline(project: Path, args: list[str], splits: dict[str, str]) -> tu
     proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=project, env=env)
     minutes = (time.perf_counter() - start) / 60
     if proc.returncode != 0:
-        raise SystemExit(f"the pipeline failed (exit status {proc.returncode}) after {minutes:.1f} minutes")
+        raise SystemExit(f"`python -m pipeline {args[0]}` in {project} failed (exit status {proc.returncode}, its "
+                         f"error above) after {minutes:.1f} minutes")
     scores = json.loads((project / "metrics/score.json").read_text(encoding="utf-8"))
     steps = json.loads((project / "metrics/train.json").read_text(encoding="utf-8"))["steps"]
     rows = [{"split": name, "sacreBLEU": round(scores[split]["bleu"], 2),
