@@ -366,8 +366,10 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
     init = None if init_weights is None else Path(init_weights)
     identity = run_identity(model_config, params, encoded_dir, Path(vocab_dir), init, checkpoint_dir)
     if "max_steps" in identity["train"] and params.schedule != "linear_decay":
-        acc.print(f"this setup's run is past train.max_steps {params.max_steps}: a run of {params.max_steps} steps "
-                  "trains in a folder of its own", flush=True)
+        longer = setup_dir(checkpoint_dir, {**identity, "train": {k: v for k, v in identity["train"].items()
+                                                                  if k != "max_steps"}})
+        acc.print(f"{longer} holds this setup's run, past train.max_steps {params.max_steps}: a run of "
+                  f"{params.max_steps} steps trains in a folder of its own", flush=True)
     split = _split(params, acc.num_processes, identity, checkpoint_dir)
     precision = {"no": "fp32"}.get(acc.mixed_precision, acc.mixed_precision)
     print(f"process {acc.process_index} of {acc.num_processes} on {acc.device} in {precision}: "

@@ -116,7 +116,8 @@ def test_a_run_already_past_max_steps_leaves_a_shorter_one_to_train_in_a_folder_
     run(6)
     longer = current_dir(tmp_path / "c")
     capsys.readouterr()
-    assert run(4)["steps"] == 4 and "past train.max_steps 4" in capsys.readouterr().out
+    assert run(4)["steps"] == 4
+    assert f"{longer} holds this setup's run, past train.max_steps 4" in capsys.readouterr().out
     shorter = current_dir(tmp_path / "c")
     assert shorter != longer and [step for step, _ in list_checkpoints(shorter)] == [2, 4]
     run(4, root="straight")
