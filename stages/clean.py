@@ -17,8 +17,10 @@ import hashlib
 import os
 import tempfile
 import unicodedata
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
@@ -117,14 +119,14 @@ def run(params: CleanParams, *, raw_dir: InputPath, out_dir: OutputPath) -> dict
     counts: dict[str, int] = {}
     seen: set[bytes] = set()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with get_context("spawn").Pool(workers, _init_worker, (src_lang, tgt_lang, params)) as pool, \
+    with ProcessPoolExecutor(workers, get_context("spawn"), _init_worker, (src_lang, tgt_lang, params)) as pool, \
             tempfile.TemporaryDirectory(prefix=f".{out_dir.name}-", dir=out_dir.parent) as staging:
         for split in SPLITS:
             # which corpus each training line belongs to: corpora are concatenated in manifest order
             bounds = _corpus_bounds(corpora) if split == "train" else [(totals[split], split)]
             with open(split_path(staging, split, src_lang), "w", encoding="utf-8") as fs, \
                     open(split_path(staging, split, tgt_lang), "w", encoding="utf-8") as ft:
-                pairs = _clean_split(pool, params, split, paths[split], totals[split], lambda line, reason: (
+                pairs = _clean_split(pool, workers, params, split, paths[split], totals[split], lambda line, reason: (
                     dropped[_corpus_of(bounds, line)].update([reason])), seen)
                 kept = 0
                 for src, tgt in pairs:
@@ -150,13 +152,35 @@ def run(params: CleanParams, *, raw_dir: InputPath, out_dir: OutputPath) -> dict
     return metrics
 
 
-def _clean_split(pool: Any, params: CleanParams, split: str, paths: tuple[Path, Path], total: int,
-                 drop: Callable[[int, str], None], seen: set[bytes]) -> Iterator[tuple[str, str]]:
+def _in_order(pool: Executor, work: Callable[[Any], Any], items: Iterable[Any], window: int) -> Iterator[Any]:
+    """work(item) for each item, run by the pool, in order, with at most `window` items handed out
+    at a time, so a corpus is never all in memory. A worker that dies (killed, or unable to start)
+    stops it with an error rather than a wait forever."""
+    pending: deque = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(work, item))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise PipelineError(
+            "clean: a worker process ended before its work was done (its own error, if any, is above). Its "
+            "workers are spawned processes, which first import the script that called the stage: from a "
+            "script of your own, call it under `if __name__ == \"__main__\":`") from None
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+def _clean_split(pool: Executor, workers: int, params: CleanParams, split: str, paths: tuple[Path, Path],
+                 total: int, drop: Callable[[int, str], None], seen: set[bytes]) -> Iterator[tuple[str, str]]:
     """The split's pairs to keep, normalised, in order; `drop(line, reason)` is told of the others.
     Invalid UTF-8 stops it, naming file, line and byte, unless training pairs may be dropped for it."""
     src_path, tgt_path = paths
-    results = pool.imap(partial(_process, params=params, filtering=split == "train"),
-                        chunks(_raw_pairs(src_path, tgt_path), CHUNK))
+    results = _in_order(pool, partial(_process, params=params, filtering=split == "train"),
+                        chunks(_raw_pairs(src_path, tgt_path), CHUNK), window=2 * workers)
     line = 0
     with Bar(total=total, desc=f"clean {split}", unit=" pairs", mininterval=2) as bar:
         for chunk in results:

@@ -2,12 +2,15 @@
 shared reading and writing they rely on. The chain's fixtures are in conftest.py."""
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import sacrebleu
 
-from conftest import CLEAN, TRAIN_LINES, download_params
+from conftest import CLEAN, ROOT, TRAIN_LINES, download_params
 from stages import clean, download, encode, score, vocab
 from stages.io import ParallelFiles, PipelineError, atomic_write, read_lines, write_manifest
 
@@ -51,35 +54,49 @@ def test_clean_reports_drops_by_reason_per_corpus_and_never_filters_test_sets(cl
     assert not any("\r" in line or not line.strip() for line in read_lines(clean_dir / "train.en"))
 
 
-def test_clean_normalises_like_moses(tmp_path):
+def _raw_text(tmp_path, en: bytes, de: bytes):
+    """A download stage's output: the given training sides, and a one-line dev and test set."""
     raw = tmp_path / "raw"
     raw.mkdir()
-    (raw / "train.en").write_text("\u201cQuoted\u201d  text\u00a0here\r\nfine\n", encoding="utf-8")
-    (raw / "train.de").write_text("\u201eZitat\u201c\u200b Text\r\ngut\n", encoding="utf-8")
+    (raw / "train.en").write_bytes(en)
+    (raw / "train.de").write_bytes(de)
     for split in ("dev", "test"):
         for lang in ("en", "de"):
             (raw / f"{split}.{lang}").write_text("x\n")
-    write_manifest(raw, "en", "de", {"train": 2, "dev": 1, "test": 1})
+    write_manifest(raw, "en", "de", {"train": en.count(b"\n"), "dev": 1, "test": 1})
+    return raw
+
+
+def test_clean_normalises_like_moses(tmp_path):
+    raw = _raw_text(tmp_path, "\u201cQuoted\u201d  text\u00a0here\r\nfine\n".encode(),
+                    "\u201eZitat\u201c\u200b Text\r\ngut\n".encode())
     clean.run(CLEAN, raw_dir=raw, out_dir=tmp_path / "out")
     assert (tmp_path / "out/train.en").read_text(encoding="utf-8") == '"Quoted" text here\nfine\n'
     assert (tmp_path / "out/train.de").read_text(encoding="utf-8") == '"Zitat" Text\ngut\n'
 
 
 def test_clean_invalid_utf8_names_file_line_and_byte_or_is_dropped(tmp_path):
-    raw = tmp_path / "raw"
-    raw.mkdir()
-    (raw / "train.en").write_bytes(b"good one\nbro\xffken\nlast one\n")
-    (raw / "train.de").write_bytes(b"gut eins\nkaputt\nletzte eins\n")
-    for split in ("dev", "test"):
-        for lang in ("en", "de"):
-            (raw / f"{split}.{lang}").write_text("x\n")
-    write_manifest(raw, "en", "de", {"train": 3, "dev": 1, "test": 1})
+    raw = _raw_text(tmp_path, b"good one\nbro\xffken\nlast one\n", b"gut eins\nkaputt\nletzte eins\n")
     with pytest.raises(PipelineError, match=r"train.en:2: invalid UTF-8 at byte 12 of the file"):
         clean.run(CLEAN, raw_dir=raw, out_dir=tmp_path / "out")
     assert not (tmp_path / "out/train.en").exists()
     m = clean.run(dataclasses.replace(CLEAN, invalid_utf8="drop"), raw_dir=raw, out_dir=tmp_path / "out")
     assert m["dropped_invalid_utf8"] == 1 and m["train_pairs"] == 2
 
+
+
+def test_clean_called_by_a_script_without_a_main_guard_stops_and_says_why(tmp_path):
+    """clean's workers are spawned processes, which import the script that called it; a worker that
+    cannot start must end the stage with the remedy, not leave it waiting for ever."""
+    raw = _raw_text(tmp_path, b"one\n", b"eins\n")
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from pipeline.config import load_params\nfrom stages import clean\n"
+                      f"params = load_params({str(ROOT / 'params.yaml')!r})\n"
+                      f"clean.run(params.clean, raw_dir={str(raw)!r}, out_dir='out')\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and not (tmp_path / "out").exists()
+    assert 'call it under `if __name__ == "__main__":`' in proc.stderr.splitlines()[-1]
 
 def test_vocab_is_shared_by_both_languages(vocab_dir):
     sp = vocab.load(vocab_dir)

@@ -124,13 +124,17 @@ def test_report_compares_the_runs_with_the_paper(flow_output, repo):
 
 
 @pytest.mark.slow
-def test_the_readmes_examples_run_as_written(flow_output, repo):
-    """Every Python block of the README, and the shell block that runs stages alone, after a quickstart."""
+def test_the_readmes_examples_run_as_written(flow_output, repo, tmp_path):
+    """Every Python block of the README, saved as a script and run (as a user runs it: a stage whose
+    workers import the calling script runs differently under `-c`), and the shell block that runs
+    stages alone, after a quickstart."""
     text = (repo / "README.md").read_text(encoding="utf-8")
     python_blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert len(python_blocks) >= 2
-    for block in python_blocks:
-        run_in(repo, sys.executable, "-c", block)
+    for number, block in enumerate(python_blocks):
+        script = tmp_path / f"example_{number}.py"
+        script.write_text(block, encoding="utf-8")
+        run_in(repo, sys.executable, str(script))
     section = text.split("## One stage alone", 1)[1].split("\n## ", 1)[0]
     shell = re.findall(r"```\n# run by tests/test_pipeline.py\n(.*?)```", section, re.S)[0]
     commands = [line.split("  #")[0].strip() for line in shell.splitlines() if line.strip()]
@@ -138,6 +142,7 @@ def test_the_readmes_examples_run_as_written(flow_output, repo):
     for command in commands:
         run_in(repo, sys.executable, *command.split()[1:])
     assert (repo / "my/clean/train.de").is_file() and (repo / "my/vocab/spm.model").is_file()
+    assert (repo / "my/clean-from-python/train.de").is_file()
 
 
 @pytest.mark.slow
