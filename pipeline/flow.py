@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -169,11 +170,14 @@ def run_stage(stage: str) -> str | State:
 
 
 def failure(stage: str, lines: list[str]) -> str:
-    """Why a stage failed, in its own words (its last `error:`, `stopped:` or `interrupted:` line)
-    rather than DVC's wrapper around them."""
-    own = next((line for line in reversed(lines) if line.startswith(("error:", "stopped:", "interrupted:"))), None)
-    said = own.removeprefix("error: ") if own else next(
-        (line for line in reversed(lines) if line.startswith("ERROR:")), "see its log")
+    """Why a stage failed, in its own words (its last `error:`, `stopped:` or `interrupted:` line, and
+    the indented lines that go on with it, on one line) rather than DVC's wrapper around them."""
+    own = [i for i, line in enumerate(lines) if line.startswith(("error:", "stopped:", "interrupted:"))]
+    if own:
+        more = takewhile(lambda line: line.startswith((" ", "\t")), lines[own[-1] + 1:])
+        said = " ".join([lines[own[-1]].removeprefix("error: "), "; ".join(line.strip() for line in more)]).strip()
+    else:
+        said = next((line for line in reversed(lines) if line.startswith("ERROR:")), "see its log")
     return f"stage '{stage}' failed: {said} (the stages before it keep their outputs)"
 
 

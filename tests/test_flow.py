@@ -72,6 +72,21 @@ def test_a_prefect_server_that_stalls_or_fails_never_holds_up_the_stage_output(m
     assert len(warned) == 1 and "the Prefect server did not take an artifact" in warned[0]
 
 
+def test_a_failed_stage_is_told_in_its_own_words_with_the_lines_that_go_on_with_them():
+    lines = ["Running stage 'download':", "error: could not fetch a valid train.en.gz:",
+             "  https://127.0.0.1:1/a/train.en.gz: gave up after 4 attempts: refused",
+             "  https://127.0.0.1:1/b/train.en.gz: sha256 differs",
+             "ERROR: failed to reproduce 'download': failed to run: python -m pipeline.stage download"]
+    assert flow.failure("download", lines) == (
+        "stage 'download' failed: could not fetch a valid train.en.gz: https://127.0.0.1:1/a/train.en.gz: gave up "
+        "after 4 attempts: refused; https://127.0.0.1:1/b/train.en.gz: sha256 differs (the stages before it keep "
+        "their outputs)")
+    assert flow.failure("train", ["error: no training pair fits", "ERROR: failed"]).endswith(
+        "failed: no training pair fits (the stages before it keep their outputs)")
+    assert flow.failure("train", ["ERROR: failed to reproduce 'train'"]) == (
+        "stage 'train' failed: ERROR: failed to reproduce 'train' (the stages before it keep their outputs)")
+
+
 def test_the_progress_line_reads_back():
     line = progress_line({"step": 1400, "loss": 2.0625, "tgt_tokens_per_sec": 612345.4}, 100000)
     assert line == "step 1400/100000: loss 2.062, 612,345 target tokens/s"
