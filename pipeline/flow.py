@@ -227,14 +227,14 @@ def pipeline(presets: list[str] | None = None, overrides: dict[str, Any] | None 
         parent.log_metrics(scores)
         parent.log_artifact(METRICS_DIR / "score.json")
         try:
-            version = registry.register_model(parent, params, scores["test"]["bleu"])
+            model = registry.register_model(parent, params, scores["test"]["bleu"])
         except Exception as e:  # noqa: BLE001 - a lost tracking server costs the registration, not the run
             print(f"warning: mlflow: the model was not registered ({unsent.reason(e)}); `python -m pipeline "
                   "run` again registers it once the server answers (every stage is cached)")
-            version = None
+            model = None
         FINISHED.update(stages=states, scores=scores)
         try:
-            create_markdown_artifact(key="bleu", markdown=report_markdown(scores, parent, version, presets or []),
+            create_markdown_artifact(key="bleu", markdown=report_markdown(scores, parent, model, presets or []),
                                      description="BLEU of this pipeline run")
         except Exception as e:  # noqa: BLE001 - the Prefect server away: the scores are in metrics/score.json
             print(f"warning: the Prefect server did not take the BLEU artifact ({e})")
@@ -284,7 +284,7 @@ def run_name(presets: list[str], overrides: dict[str, Any]) -> str:
     return " ".join([*presets, *changes]) or "params.yaml"
 
 
-def report_markdown(scores: dict[str, Any], parent: tracking.Tracker, version: str | None, presets: list[str]) -> str:
+def report_markdown(scores: dict[str, Any], parent: tracking.Tracker, model: str | None, presets: list[str]) -> str:
     rows = ["| split | sacreBLEU | tokenised BLEU (paper's) | lowercased tokenised BLEU | chrF |",
             "|---|---|---|---|---|"]
     for split in ("dev", "test"):
@@ -298,7 +298,7 @@ def report_markdown(scores: dict[str, Any], parent: tracking.Tracker, version: s
         f"- lowercased tokenised BLEU: `{scores['test']['bleu_lc_tok_signature']}` (what Multi30k results quote)",
         f"- chrF: `{scores['test']['chrf_signature']}`",
         f"- MLflow run: [{parent.run_id}]({link})" if link else "- MLflow: not tracked",
-        f"- registered model version: {version}" if version else "",
+        f"- registered model: `{model}` (its best version: `{model.rsplit('/', 1)[0]}@best`)" if model else "",
     ])
 
 

@@ -1,7 +1,7 @@
 """The averaged model as an MLflow pyfunc that translates, logged from this file ("models from code",
 so loading it unpickles nothing):
 
-    mlflow.pyfunc.load_model("models:/transformer-en-de@best").predict(["Resumption of the session."])
+    mlflow.pyfunc.load_model("models:/transformer-en-de-newstest2014@best").predict(["Resumption of the session."])
 
 Decoding parameters are the pipeline's decode section at logging time (the `decode` artifact).
 """

@@ -3,7 +3,9 @@ values when it is made (ValueError(key, message), which pipeline/config.py repor
 Nothing here imports torch, so reading params.yaml costs no more than YAML and these checks."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
+from pathlib import PurePath
 from typing import Literal, get_args
 
 from sacrebleu.metrics import BLEU
@@ -75,6 +77,19 @@ class DownloadParams:
                   f"multi30k has {', '.join(multi30k.LANGUAGES)}, not {', '.join(odd)}")
         else:
             check(bool(self.local.train), "local.train", "names no training corpus")
+
+    @property
+    def test_set(self) -> str:
+        """The test set this source's models are scored on, by name: test BLEU compares only within one
+        (newstest2014, multi30k-test_2016_flickr; a local one by its folder, and its file where that is
+        not test.<lang>: numbers, multi30k-test_2016_flickr)."""
+        if self.source == "wmt14":
+            return "newstest2014" if self.wmt14.test == "full" else "newstest2014-filtered"
+        if self.source == "multi30k":
+            return f"multi30k-{multi30k.FILES['test']}"
+        stem = PurePath(self.local.test.src).stem
+        name = "-".join(filter(None, [PurePath(self.local.dir).name or "local", stem if stem != "test" else ""]))
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", name)
 
 
 @dataclass(frozen=True)

@@ -241,6 +241,24 @@ def test_local_training_files_are_needed_only_when_the_source_is_local():
         parse_params(local, "params.yaml")
 
 
+
+@pytest.mark.parametrize("overrides, name", [
+    ({}, "newstest2014"),
+    ({"download.wmt14.test": "filtered"}, "newstest2014-filtered"),
+    ({"download.source": "multi30k"}, "multi30k-test_2016_flickr"),
+    ({"download.source": "local"}, "numbers"),  # the quickstart's corpus
+    ({"download.source": "local", "download.local.dir": "../shared/data/multi30k",
+      "download.local.test": {"src": "test_2016_flickr.en", "tgt": "test_2016_flickr.de"}},
+     "multi30k-test_2016_flickr"),
+    ({"download.source": "local", "download.local.dir": "my data/WMT 2014"}, "WMT-2014"),
+    ({"download.source": "local", "download.local.dir": "."}, "local"),
+])
+def test_the_test_set_names_what_test_bleu_compares_within(overrides, name):
+    """The registered model's name carries it (pipeline/registry.py), so `best` never ranks a model on
+    one test set above one scored on another."""
+    assert layered(overrides, ROOT / "params.yaml", (ROOT / "params.yaml").read_text(encoding="utf-8")
+                   ).download.test_set == name
+
 def _numeric_keys(cls, prefix=""):
     """Every int or float parameter of a params class, nested sections included."""
     for f in dataclasses.fields(cls):

@@ -77,14 +77,14 @@ def test_the_model_is_registered_as_a_translator_with_the_best_alias(flow_output
 
     uri = f"sqlite:///{repo / 'mlflow.db'}"
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
-    version = client.get_model_version_by_alias("transformer-en-de", "best")
-    scores = [float(v.tags["test_bleu"]) for v in client.search_model_versions("name = 'transformer-en-de'")]
+    version = client.get_model_version_by_alias("transformer-en-de-numbers", "best")
+    scores = [float(v.tags["test_bleu"]) for v in client.search_model_versions("name = 'transformer-en-de-numbers'")]
     assert float(version.tags["test_bleu"]) == max(scores)  # the 30-step model's may be 0
     mlflow.set_tracking_uri(uri)
     lines = (repo / "data/clean/test.en").read_text(encoding="utf-8").splitlines()[:3]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = mlflow.pyfunc.load_model("models:/transformer-en-de@best")
+        model = mlflow.pyfunc.load_model("models:/transformer-en-de-numbers@best")
     assert not [w for w in caught if "predict function" in str(w.message)]  # its type hint is one MLflow takes
     expected = (repo / "data/hyps/test.de").read_text(encoding="utf-8").splitlines()[:3]
     assert model.predict(lines) == expected  # the logged model decodes as the decode stage did
@@ -94,7 +94,7 @@ def test_the_model_is_registered_as_a_translator_with_the_best_alias(flow_output
         model.predict([1, 2])
     # served over REST as the README shows: `mlflow models serve`, sentences as {"inputs": [...]}
     port = free_port()
-    serve = [sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/transformer-en-de@best",
+    serve = [sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/transformer-en-de-numbers@best",
              "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)]
     with serving(serve, f"http://127.0.0.1:{port}/ping", repo, {**env_of(repo), "MLFLOW_TRACKING_URI": uri},
                  "mlflow models serve"):

@@ -73,7 +73,7 @@ def test_a_run_tracked_by_a_shared_server_leaves_everything_there(completed, tmp
         assert score.data.metrics["test_bleu"] == parent.data.metrics["test_bleu"]  # the small model's may be 0
         assert parent.data.params["decode.beam_size"] == "3"
         assert "score.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
-        best = client.get_model_version_by_alias("transformer-en-de", "best")
+        best = client.get_model_version_by_alias("transformer-en-de-numbers", "best")
         assert best.run_id == parent.info.run_id
     stored = [p.name for p in (store / "artifacts").rglob("*") if p.is_file()]
     assert "score.json" in stored and "averaged.safetensors" in stored  # uploaded to the server's store
