@@ -44,12 +44,18 @@ def run(params: VocabParams, *, clean_dir: InputPath, out_dir: OutputPath) -> di
             pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
             minloglevel=2,
         )
-    except RuntimeError as e:
+    except RuntimeError as e:  # sentencepiece's own words for what the text and settings cannot give
         if m := re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(e)):
             raise PipelineError(
                 f"vocab.vocab_size {m.group(1)} is more than the training text supports (at most {m.group(2)})"
             ) from None
-        raise
+        if m := re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(e)):
+            raise PipelineError(
+                f"vocab.vocab_size {m.group(1)} is fewer than the {m.group(2)} pieces the training text's characters "
+                f"need at vocab.character_coverage {params.character_coverage:g} (the special pieces included): "
+                "raise the one or lower the other") from None
+        raise PipelineError(f"vocab: sentencepiece could not learn a vocabulary from "
+                            f"{' and '.join(map(str, inputs))}: {e}") from None
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     with atomic_write(out_dir / MODEL_FILE, "wb") as f:
         f.write(model.getvalue())

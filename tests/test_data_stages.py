@@ -122,10 +122,15 @@ def test_vocab_learned_again_from_the_same_text_is_the_same_bytes(vocab_dir, cle
     assert vocab.identity(tmp_path / "other") != vocab.identity(vocab_dir)
 
 
-def test_vocab_too_large_for_the_data_is_a_clear_error(cleaned, tmp_path):
-    params = vocab.VocabParams(model_type="bpe", vocab_size=900000, character_coverage=1.0,
+@pytest.mark.parametrize("size, message", [
+    (900000, r"vocab.vocab_size 900000 is more than the training text supports \(at most \d+\)"),
+    (10, r"vocab.vocab_size 10 is fewer than the \d+ pieces the training text's characters need at "
+         r"vocab.character_coverage 1 \(the special pieces included\)"),
+])
+def test_a_vocabulary_size_the_text_cannot_give_is_a_clear_error(cleaned, tmp_path, size, message):
+    params = vocab.VocabParams(model_type="bpe", vocab_size=size, character_coverage=1.0,
                                input_sentence_size=100000, seed=1)
-    with pytest.raises(PipelineError, match=r"vocab.vocab_size 900000 is more than the training text supports"):
+    with pytest.raises(PipelineError, match=message):
         vocab.run(params, clean_dir=cleaned[0], out_dir=tmp_path)
 
 
