@@ -171,13 +171,15 @@ def run_stage(stage: str) -> str | State:
 
 def failure(stage: str, lines: list[str]) -> str:
     """Why a stage failed, in its own words (its last `error:`, `stopped:` or `interrupted:` line, and
-    the indented lines that go on with it, on one line) rather than DVC's wrapper around them."""
+    the indented lines that go on with it, on one line; else the exception it ended in) rather than
+    DVC's wrapper around them."""
     own = [i for i, line in enumerate(lines) if line.startswith(("error:", "stopped:", "interrupted:"))]
     if own:
         more = takewhile(lambda line: line.startswith((" ", "\t")), lines[own[-1] + 1:])
         said = " ".join([lines[own[-1]].removeprefix("error: "), "; ".join(line.strip() for line in more)]).strip()
-    else:
-        said = next((line for line in reversed(lines) if line.startswith("ERROR:")), "see its log")
+    else:  # an exception it did not expect: the traceback's last line, then DVC's
+        said = next((line for line in reversed(lines) if re.match(r"[\w.]+(Error|Exception|Interrupt): ", line)),
+                    next((line for line in reversed(lines) if line.startswith("ERROR:")), "see its log"))
     return f"stage '{stage}' failed: {said} (the stages before it keep their outputs)"
 
 

@@ -83,6 +83,10 @@ def test_a_failed_stage_is_told_in_its_own_words_with_the_lines_that_go_on_with_
         "their outputs)")
     assert flow.failure("train", ["error: no training pair fits", "ERROR: failed"]).endswith(
         "failed: no training pair fits (the stages before it keep their outputs)")
+    traceback = ["Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
+                 "torch.OutOfMemoryError: CUDA out of memory.", "ERROR: failed to reproduce 'train'"]
+    assert flow.failure("train", traceback) == (
+        "stage 'train' failed: torch.OutOfMemoryError: CUDA out of memory. (the stages before it keep their outputs)")
     assert flow.failure("train", ["ERROR: failed to reproduce 'train'"]) == (
         "stage 'train' failed: ERROR: failed to reproduce 'train' (the stages before it keep their outputs)")
 
