@@ -55,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     paths = dag.paths()
     translate = sub.add_parser("translate", help="translate lines of a file (or standard input) to standard output")
     translate.add_argument("input", nargs="?", type=Path, help="text, one sentence a line (default: standard input)")
-    translate.add_argument("--model", type=Path, default=Path(paths["model"]),
+    # the defaults are the pipeline's outputs, found from any folder, as `dvc` and `--params` find theirs
+    translate.add_argument("--model", type=Path, default=config.ROOT / paths["model"],
                            help="an averaged model (.safetensors) or a training checkpoint (.pt)")
-    translate.add_argument("--vocab-dir", type=Path, default=Path(paths["vocab"]))
+    translate.add_argument("--vocab-dir", type=Path, default=config.ROOT / paths["vocab"])
     translate.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="decode.KEY=VALUE",
                            help="decoding parameters for this run only (params.yaml's decode section otherwise)")
     translate.add_argument("--params", type=Path, default=config.PARAMS_FILE)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, separate_projections
+from conftest import ROOT, TINY, separate_projections
 from pipeline import cli
 from stages import average, decode, export, vocab
 from stages.io import MANIFEST, PipelineError, read_lines
@@ -149,6 +149,13 @@ def test_export_stage_still_stops_at_a_missing_model(vocab_dir, tmp_path):
     with pytest.raises(PipelineError, match="absent.st: model file not found"):
         export.run(model_path=tmp_path / "absent.st", vocab_dir=vocab_dir, marian_dir=tmp_path / "marian",
                    ctranslate2_dir=tmp_path / "ct2")
+
+
+def test_translate_finds_the_pipelines_model_and_vocabulary_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # as from docs/ or another project's folder
+    args = cli.build_parser().parse_args(["translate"])
+    assert (args.model, args.vocab_dir, args.params) == (
+        ROOT / "models/averaged.safetensors", ROOT / "data/vocab", ROOT / "params.yaml")
 
 
 def test_translate_command_reads_a_file_or_stdin_and_warns_of_cut_lines(averaged, vocab_dir, cleaned, tmp_path,
