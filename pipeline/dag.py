@@ -26,10 +26,12 @@ def stage_descriptions() -> dict[str, str]:
 
 
 def stage_order(root: Path = ROOT) -> list[str]:
-    """Stage names, each after every stage it depends on."""
+    """dvc.yaml's stage names, each after every stage it depends on. Names, not DVC's addresses, which
+    are relative to the working folder ('../dvc.yaml:train' from docs/) while the stages run at the root."""
     import networkx as nx
     from dvc.repo import Repo
+    from dvc.stage import PipelineStage
 
     with Repo(str(root)) as repo:
         graph = repo.index.graph  # edges point from a stage to the stages it depends on
-        return [stage.addressing for stage in reversed(list(nx.topological_sort(graph)))]
+        return [stage.name for stage in reversed(list(nx.topological_sort(graph))) if isinstance(stage, PipelineStage)]
