@@ -64,7 +64,7 @@ def run(params: DecodeParams, *, model_path: InputPath, vocab_dir: InputPath, cl
     clean_dir = require_dir(clean_dir, "clean text (clean stage output)")
     src_lang, tgt_lang = read_manifest(clean_dir)
     translator = load_translator(model_path, default_device(), params.precision)
-    sp = vocab.load(vocab_dir)
+    sp = vocab.load(vocab_dir, (model_path, translator.model.vocab_size))
     metrics: dict[str, float] = {}
     for split in SPLITS:
         lines = list(read_lines(split_path(clean_dir, split, src_lang)))

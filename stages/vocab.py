@@ -73,8 +73,14 @@ def identity(vocab_dir: str | Path) -> str:
     return hashlib.md5(pieces.encode()).hexdigest()
 
 
-def load(vocab_dir: str | Path) -> spm.SentencePieceProcessor:
+def load(vocab_dir: str | Path, model: tuple[str | Path, int] | None = None) -> spm.SentencePieceProcessor:
+    """The vocabulary; with `model` (its file and its vocabulary's size), checked to be one that model
+    can have been trained on: another run's ids would come out as other words, or out of range."""
     path = Path(vocab_dir) / MODEL_FILE
     if not path.is_file():
         raise PipelineError(f"{path}: no sentencepiece model (has the vocab stage run?)")
-    return spm.SentencePieceProcessor(model_file=str(path))
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    if model is not None and sp.get_piece_size() != model[1]:
+        raise PipelineError(f"{model[0]} was trained on a vocabulary of {model[1]} pieces, {path} has "
+                            f"{sp.get_piece_size()}: give the vocabulary of the run that trained it")
+    return sp
