@@ -81,8 +81,7 @@ def translate_command(args: argparse.Namespace) -> None:
     except ValueError as e:  # a check of DecodeParams: (key, message)
         raise PipelineError(f"-S decode.{e.args[0]}: {e.args[-1]}") from None
     lines = list(read_lines(args.input) if args.input else decode_lines(sys.stdin.buffer, "standard input"))
-    translator = decode.load_translator(args.model, default_device(), params.precision)
-    sp = vocab.load(args.vocab_dir, (args.model, translator.model.vocab_size))
+    translator, sp = decode.load_with_vocabulary(args.model, args.vocab_dir, default_device(), params.precision)
     for line in decode.translate(translator, sp, lines, params, desc="translate"):
         print(line)
 

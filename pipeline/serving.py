@@ -17,14 +17,13 @@ from mlflow.pyfunc import PythonModel
 
 class Translator(PythonModel):
     def load_context(self, context: Any) -> None:
-        from stages import vocab
-        from stages.decode import load_translator
+        from stages.decode import load_with_vocabulary
         from stages.devices import default_device
         from stages.params import DecodeParams
 
         self.params = DecodeParams(**json.loads(Path(context.artifacts["decode"]).read_text(encoding="utf-8")))
-        self.translator = load_translator(context.artifacts["model"], default_device(), self.params.precision)
-        self.sp = vocab.load(context.artifacts["vocab"])
+        self.translator, self.sp = load_with_vocabulary(context.artifacts["model"], context.artifacts["vocab"],
+                                                        default_device(), self.params.precision)
 
     def predict(self, context: Any, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
         """model_input: a list of sentences. The type hint is the model's signature: MLflow checks inputs

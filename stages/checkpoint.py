@@ -15,7 +15,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -127,7 +127,7 @@ class Checkpointer:
         states = {name: part.state_dict() for name, part in self.parts.items()}
         path = checkpoint_path(self.folder, step, snapshot)
         if self.processes.is_main:
-            meta = ModelMeta(self.meta.config, self.meta.vocab_size, (step,))
+            meta = replace(self.meta, steps=(step,))
             write_checkpoint(self.folder, Checkpoint(step, meta, self.fingerprint, states), snapshot)
             prune(self.folder, self.schedule.keep)
         self.processes.barrier()

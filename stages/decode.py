@@ -7,12 +7,13 @@ import sys
 from pathlib import Path
 
 import torch
+from sentencepiece import SentencePieceProcessor
 
 from stages import vocab
 from stages.devices import default_device
 from stages.io import InputPath, OutputPath, PipelineError, atomic_write, read_lines, read_manifest, require_dir, \
     split_path
-from stages.model_files import load_weights, read_model
+from stages.model_files import ModelMeta, load_weights, read_model
 from stages.params import DecodeParams
 from stages.progress import Bar
 from translate.translator import Translator
@@ -24,18 +25,35 @@ SPLITS = ("dev", "test")
 def read_transformer(model_path: str | Path) -> Transformer:
     """The model as trained (fp32, on the CPU whatever torch's default device is, in training mode), from an
     averaged model or a checkpoint."""
+    return _read(model_path)[0]
+
+
+def _read(model_path: str | Path) -> tuple[Transformer, ModelMeta]:
     weights, meta = read_model(model_path)
     with torch.device("cpu"):
         model = Transformer(meta.config, meta.vocab_size, vocab.PAD_ID)
     load_weights(model, weights, model_path, "not the model its metadata describes")
-    return model
+    return model, meta
 
 
 def load_translator(model_path: str | Path, device: torch.device, precision: str = "fp32") -> Translator:
     """A Translator of an averaged model (.safetensors, from the average stage) or a training checkpoint
     (.pt), in decode.precision."""
+    return _translator(read_transformer(model_path), device, precision)
+
+
+def load_with_vocabulary(model_path: str | Path, vocab_dir: str | Path, device: torch.device,
+                         precision: str = "fp32") -> tuple[Translator, SentencePieceProcessor]:
+    """load_translator's Translator, and the vocabulary in `vocab_dir`, checked first to be the one the
+    model was trained on."""
+    model, meta = _read(model_path)
+    sp = vocab.load(vocab_dir, (model_path, meta.vocab_size, meta.vocab))
+    return _translator(model, device, precision), sp
+
+
+def _translator(model: Transformer, device: torch.device, precision: str) -> Translator:
     try:
-        return Translator(read_transformer(model_path), device, precision, bos_id=vocab.BOS_ID, eos_id=vocab.EOS_ID)
+        return Translator(model, device, precision, bos_id=vocab.BOS_ID, eos_id=vocab.EOS_ID)
     except ValueError as e:  # a precision this device does not run
         raise PipelineError(f"decode.precision {e}") from None
 
@@ -63,8 +81,7 @@ def run(params: DecodeParams, *, model_path: InputPath, vocab_dir: InputPath, cl
         out_dir: OutputPath) -> dict[str, float]:
     clean_dir = require_dir(clean_dir, "clean text (clean stage output)")
     src_lang, tgt_lang = read_manifest(clean_dir)
-    translator = load_translator(model_path, default_device(), params.precision)
-    sp = vocab.load(vocab_dir, (model_path, translator.model.vocab_size))
+    translator, sp = load_with_vocabulary(model_path, vocab_dir, default_device(), params.precision)
     metrics: dict[str, float] = {}
     for split in SPLITS:
         lines = list(read_lines(split_path(clean_dir, split, src_lang)))

@@ -104,7 +104,7 @@ def to_marian(model_path: str | Path, vocab_dir: str | Path, out_dir: str | Path
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    sp = vocab.load(vocab_dir, (model_path, meta.vocab_size))
+    sp = vocab.load(vocab_dir, (model_path, meta.vocab_size, meta.vocab))
     spm_file = Path(vocab_dir) / vocab.MODEL_FILE
     for name in ("source.spm", "target.spm"):  # one joint vocabulary for both sides
         shutil.copyfile(spm_file, tmp / name)

@@ -51,16 +51,17 @@ class ModelMeta:
     config: TransformerConfig
     vocab_size: int
     steps: tuple[int, ...]  # the training steps whose weights these are: one, or those averaged
+    vocab: str = ""  # the vocabulary it was trained on (vocab.identity); "" in files from before it was kept
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_config": dataclasses.asdict(self.config), "vocab_size": self.vocab_size,
-                "steps": list(self.steps)}
+                "steps": list(self.steps), "vocab": self.vocab}
 
     @classmethod
     def from_dict(cls, data: Any, source: str | Path) -> ModelMeta:
         try:
             return cls(TransformerConfig(**data["model_config"]), int(data["vocab_size"]),
-                       tuple(int(s) for s in data["steps"]))
+                       tuple(int(s) for s in data["steps"]), str(data.get("vocab", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise PipelineError(f"{source}: its model metadata is incomplete or invalid ({e!r})") from None
 

@@ -136,11 +136,12 @@ class Trainer:
 
         with torch.random.fork_rng(devices=[]):  # the seed makes the weights; the process's generator is left as it was
             torch.manual_seed(params.seed)
-            model = Transformer(model_config, vocab.load(vocab_dir).get_piece_size(), vocab.PAD_ID)
+            pieces = vocab.load(vocab_dir)
+            model = Transformer(model_config, pieces.get_piece_size(), vocab.PAD_ID)
         if init_weights is not None:
             _start_from(model, init_weights)
         self.n_parameters = sum(p.numel() for p in model.parameters())
-        self.meta = ModelMeta(model_config, model.vocab_size, steps=())
+        self.meta = ModelMeta(model_config, model.vocab_size, steps=(), vocab=vocab.identity(pieces))
         on_gpu = accelerator.device.type == "cuda"
         if runs_eager_on_cpu(accelerator.device, params.compile):  # train_cpu.py says why
             for_eager_cpu(model, bf16=accelerator.mixed_precision == "bf16")

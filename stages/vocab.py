@@ -65,22 +65,25 @@ def run(params: VocabParams, *, clean_dir: InputPath, out_dir: OutputPath) -> di
     return {"vocab_size": sp.get_piece_size()}
 
 
-def identity(vocab_dir: str | Path) -> str:
+def identity(vocab: str | Path | spm.SentencePieceProcessor) -> str:
     """What a model trained on this vocabulary's ids depends on, its pieces and their scores in id order,
     as an md5: the same for the same vocabulary, whatever else its file records."""
-    sp = load(vocab_dir)
+    sp = vocab if isinstance(vocab, spm.SentencePieceProcessor) else load(vocab)
     pieces = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i)!r}\n" for i in range(sp.get_piece_size()))
     return hashlib.md5(pieces.encode()).hexdigest()
 
 
-def load(vocab_dir: str | Path, model: tuple[str | Path, int] | None = None) -> spm.SentencePieceProcessor:
-    """The vocabulary; with `model` (its file and its vocabulary's size), checked to be one that model
-    can have been trained on: another run's ids would come out as other words, or out of range."""
+def load(vocab_dir: str | Path, model: tuple[str | Path, int, str] | None = None) -> spm.SentencePieceProcessor:
+    """The vocabulary; with `model` (its file, its vocabulary's size and identity, "" where the file
+    predates keeping it), checked to be the one that model was trained on: another's ids come out as
+    other words, or out of range."""
     path = Path(vocab_dir) / MODEL_FILE
     if not path.is_file():
         raise PipelineError(f"{path}: no sentencepiece model (has the vocab stage run?)")
     sp = spm.SentencePieceProcessor(model_file=str(path))
-    if model is not None and sp.get_piece_size() != model[1]:
-        raise PipelineError(f"{model[0]} was trained on a vocabulary of {model[1]} pieces, {path} has "
-                            f"{sp.get_piece_size()}: give the vocabulary of the run that trained it")
+    if model is not None:
+        model_path, size, trained_on = model
+        if sp.get_piece_size() != size or trained_on not in ("", identity(sp)):
+            raise PipelineError(f"{model_path} was trained on another vocabulary than {path} ({size} pieces, "
+                                f"{path} has {sp.get_piece_size()}): give the vocabulary of the run that trained it")
     return sp

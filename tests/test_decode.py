@@ -155,23 +155,29 @@ def test_export_stage_still_stops_at_a_missing_model(vocab_dir, tmp_path):
 def test_a_model_given_another_runs_vocabulary_is_refused_before_translating(averaged, cleaned, tmp_path, capsys):
     import sentencepiece as spm
 
-    other, proto = tmp_path / "other-vocab", io.BytesIO()
-    other.mkdir()
+    smaller, proto = tmp_path / "smaller", io.BytesIO()
+    smaller.mkdir()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(["a vocabulary of its own"] * 20), model_writer=proto,
                                    vocab_size=30, hard_vocab_limit=False, pad_id=0, unk_id=1, bos_id=2, eos_id=3,
                                    minloglevel=2)
-    (other / vocab.MODEL_FILE).write_bytes(proto.getvalue())
+    (smaller / vocab.MODEL_FILE).write_bytes(proto.getvalue())
+    size = read_model(averaged[0])[1].vocab_size
+    same_size = tmp_path / "same-size"  # of the same text and size, but unigram pieces: other ids
+    vocab.run(vocab.VocabParams(model_type="unigram", vocab_size=size, character_coverage=1.0,
+                                input_sentence_size=0, seed=1), clean_dir=cleaned[0], out_dir=same_size)
     (tmp_path / "in.en").write_text("A dog runs.\n", encoding="utf-8")
-    said = rf"{averaged[0]} was trained on a vocabulary of \d+ pieces, {other / vocab.MODEL_FILE} has \d+: give"
-    assert cli.main(["translate", str(tmp_path / "in.en"), "--model", str(averaged[0]), "--vocab-dir", str(other)]) == 1
-    assert re.search(said, capsys.readouterr().err)
     params = decode.DecodeParams(beam_size=1, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
                                  max_length_extra=3, batch_tokens=8000)
-    with pytest.raises(PipelineError, match=said):
-        decode.run(params, model_path=averaged[0], vocab_dir=other, clean_dir=cleaned[0], out_dir=tmp_path / "hyps")
-    assert not (tmp_path / "hyps").exists()
-    with pytest.raises(PipelineError, match=said):
-        export.to_marian(averaged[0], other, tmp_path / "marian")
+    for other in (smaller, same_size):
+        said = rf"{averaged[0]} was trained on another vocabulary than {other / vocab.MODEL_FILE} \({size} pieces"
+        assert cli.main(["translate", str(tmp_path / "in.en"), "--model", str(averaged[0]),
+                         "--vocab-dir", str(other)]) == 1
+        assert re.search(said, capsys.readouterr().err)
+        with pytest.raises(PipelineError, match=said):
+            decode.run(params, model_path=averaged[0], vocab_dir=other, clean_dir=cleaned[0], out_dir=tmp_path / "hyps")
+        assert not (tmp_path / "hyps").exists()
+        with pytest.raises(PipelineError, match=said):
+            export.to_marian(averaged[0], other, tmp_path / "marian")
 
 
 def test_translate_finds_the_pipelines_model_and_vocabulary_from_any_folder(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from stages.model_files import Checkpoint, ModelMeta, list_checkpoints, read_che
     write_checkpoint, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
-META = ModelMeta(TINY, vocab_size=11, steps=(3,))
+META = ModelMeta(TINY, vocab_size=11, steps=(3,), vocab="0f3c")  # the vocabulary is kept with it
 
 
 def test_a_checkpoint_reads_back_as_written_and_as_a_model(tmp_path):
