@@ -138,10 +138,10 @@ class Trainer:
             torch.manual_seed(params.seed)
             pieces = vocab.load(vocab_dir)
             model = Transformer(model_config, pieces.get_piece_size(), vocab.PAD_ID)
-        if init_weights is not None:
-            _start_from(model, init_weights)
-        self.n_parameters = sum(p.numel() for p in model.parameters())
         self.meta = ModelMeta(model_config, model.vocab_size, steps=(), vocab=vocab.identity(pieces))
+        if init_weights is not None:
+            _start_from(model, init_weights, self.meta.vocab)
+        self.n_parameters = sum(p.numel() for p in model.parameters())
         on_gpu = accelerator.device.type == "cuda"
         if runs_eager_on_cpu(accelerator.device, params.compile):  # train_cpu.py says why
             for_eager_cpu(model, bf16=accelerator.mixed_precision == "bf16")
@@ -320,10 +320,14 @@ def compile_step(trainer: Trainer) -> None:
                                         model=trainer.acc.unwrap_model(trainer.model) if part == "layers" else None)
 
 
-def _start_from(model: Transformer, path: Path) -> None:
+def _start_from(model: Transformer, path: Path, vocabulary: str) -> None:
     """Load a trained model's weights into `model` (fine-tuning, or one corpus after another); its dropout may
-    differ, not its shape."""
-    load_weights(model, read_model(path)[0], path, "cannot start this run")
+    differ, not its shape, nor its vocabulary (`vocabulary`'s identity: another's ids are other pieces)."""
+    weights, meta = read_model(path)
+    if meta.vocab not in ("", vocabulary):  # "": a file from before models kept it
+        raise PipelineError(f"{path}: cannot start this run: it was trained on another vocabulary than this "
+                            f"run's, whose ids are other pieces")
+    load_weights(model, weights, path, "cannot start this run")
 
 
 def _split(params: TrainParams, processes: int, identity: dict[str, Any], checkpoint_dir: str | Path) -> int:

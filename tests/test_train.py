@@ -17,7 +17,7 @@ from stages.devices import default_device
 from stages.io import PipelineError
 from stages.checkpoint import Checkpointer, Processes, Schedule
 from stages.model_files import ModelMeta, current_dir, list_checkpoints, read_checkpoint, write_checkpoint, \
-    write_model
+    read_model, write_model
 from stages.train_metrics import MetricsWindow, Progress, StepMetrics, summary, write_curves
 from transformer.attention import MultiHeadAttention
 from transformer.config import TransformerConfig
@@ -172,6 +172,11 @@ def test_a_run_started_from_trained_weights_begins_at_them_in_a_folder_of_its_ow
     shapes = r"cannot start this run: its weight decoder.0.ffn.net.0.bias is \(64,\), this model's \(128,\)"
     with pytest.raises(PipelineError, match=shapes):
         run(dataclasses.replace(TINY, d_ff=128))
+    weights, meta = read_model(start)
+    start = tmp_path / "another-vocabulary.safetensors"  # of the same size, as another corpus's would be
+    write_model(start, weights, dataclasses.replace(meta, vocab="0" * 32))
+    with pytest.raises(PipelineError, match=r"cannot start this run: it was trained on another vocabulary"):
+        run()
 
 
 def test_a_run_starts_from_a_model_saved_with_attention_products_apart(trained, encoded, vocab_dir, tmp_path):
