@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from stages import vocab
-from stages.io import SPLITS, InputPath, OutputPath, PipelineError, atomic_write, chunks, count_lines, read_lines, \
-    read_manifest, require_dir, split_path, write_manifest
+from stages.io import MANIFEST, SPLITS, InputPath, OutputPath, PipelineError, atomic_write, chunks, count_lines, \
+    read_json, read_lines, read_manifest, require_dir, split_path, write_manifest
 from stages.progress import Bar
 
 CHUNK = 50_000  # lines encoded per call, so memory stays flat whatever the corpus size
@@ -60,8 +60,18 @@ def run(*, clean_dir: InputPath, vocab_dir: InputPath, out_dir: OutputPath) -> d
             metrics[f"{split}_{lang}_tokens"] = int(lengths.sum())
             metrics[f"{split}_{lang}_unk_rate"] = unknown / max(int(lengths.sum()), 1)
             counts[split] = len(lengths)
-    write_manifest(out_dir, src_lang, tgt_lang, counts)
+    write_manifest(out_dir, src_lang, tgt_lang, counts, vocab=vocab.identity(sp))
     return metrics
+
+
+def check_encoded_with(encoded_dir: str | Path, vocab_dir: str | Path) -> None:
+    """Refuse ids encoded with another vocabulary than `vocab_dir`'s: a model would learn other pieces
+    under each id (ids encoded before the manifest named their vocabulary pass)."""
+    encoded_with = read_json(Path(encoded_dir) / MANIFEST).get("vocab")
+    if encoded_with is not None and encoded_with != vocab.identity(vocab_dir):
+        raise PipelineError(f"{encoded_dir} was encoded with another vocabulary than "
+                            f"{Path(vocab_dir) / vocab.MODEL_FILE}: encode the text with it "
+                            f"(python -m pipeline encode --vocab-dir {vocab_dir} ...)")
 
 
 def load_ids(directory: str | Path, split: str, lang: str) -> tuple[np.ndarray, np.ndarray]:

@@ -178,11 +178,13 @@ MANIFEST = "manifest.json"
 
 
 def write_manifest(directory: str | Path, src_lang: str, tgt_lang: str, counts: dict[str, int],
-                   corpora: dict[str, int] | None = None) -> None:
+                   corpora: dict[str, int] | None = None, vocab: str | None = None) -> None:
     """Each text directory says which languages and how many pairs per split it holds, and which
-    training corpora (in order, with their pair counts) make up its training split."""
+    training corpora (in order, with their pair counts) make up its training split; encoded ids say
+    which vocabulary (its identity) made them."""
     write_json(Path(directory) / MANIFEST, {"src_lang": src_lang, "tgt_lang": tgt_lang, "pairs": counts,
-                                            "train_corpora": corpora or {"train": counts["train"]}})
+                                            "train_corpora": corpora or {"train": counts["train"]},
+                                            **({"vocab": vocab} if vocab is not None else {})})
 
 
 def read_manifest(directory: str | Path) -> tuple[str, str]:

@@ -29,7 +29,7 @@ from stages.batching import token_batches
 from stages.checkpoint import Checkpointer, Processes, Schedule, Stateful, recorded_split, setup_dir
 from stages.devices import attention_kernels, default_device, keep_freed_host_memory, keep_generated_kernels, \
     mixed_precision, peak_flops, processes
-from stages.encode import ParallelIds
+from stages.encode import ParallelIds, check_encoded_with
 from stages.io import InputPath, OutputPath, PipelineError, Stopped, file_digest, require_dir
 from stages.model_files import ModelMeta, list_checkpoints, load_weights, read_model
 from stages.params import TrainParams
@@ -337,9 +337,10 @@ def _split(params: TrainParams, processes: int, identity: dict[str, Any], checkp
 def workers(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: InputPath, vocab_dir: InputPath,
             checkpoint_dir: OutputPath, **paths: Any) -> int:
     """The processes the stage's command trains on (train.processes), each a worker the command starts;
-    where they cannot share the run's micro-batches, refused before any starts."""
+    where they cannot share the run's micro-batches, or the data is not the vocabulary's, refused before any starts."""
     n = processes(params.processes)
     if n > 1:
+        check_encoded_with(encoded_dir, vocab_dir)
         identity = run_identity(model_config, params, Path(encoded_dir), Path(vocab_dir), None, checkpoint_dir)
         _split(params, n, identity, checkpoint_dir)
     return n
@@ -362,6 +363,7 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
     checkpoint, if any), from random weights or from those of `init_weights` (a model or checkpoint of the same
     shape and vocabulary size). Writes checkpoints there and the loss curves <plots_dir>/train.csv and valid.csv."""
     encoded_dir = require_dir(encoded_dir, "encoded data (encode stage output)")
+    check_encoded_with(encoded_dir, vocab_dir)
     if default_device().type == "cpu":
         keep_generated_kernels()  # before anything else generates one
     acc = accelerator or Accelerator(cpu=default_device().type == "cpu",

@@ -83,6 +83,16 @@ def wait_for(condition, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def another_vocabulary(clean_dir: Path, vocab_dir: Path, out_dir: Path) -> Path:
+    """A vocabulary of as many pieces as `vocab_dir`'s, from the same text, but unigram: the same size,
+    other ids (as another corpus's, or the other language pair's, would be)."""
+    size = vocab.load(vocab_dir).get_piece_size()
+    vocab.run(vocab.VocabParams(model_type="unigram", vocab_size=size, character_coverage=1.0, input_sentence_size=0,
+                                seed=1), clean_dir=clean_dir, out_dir=out_dir)
+    assert vocab.identity(out_dir) != vocab.identity(vocab_dir)
+    return out_dir
+
+
 def train_params(**changes) -> train.TrainParams:
     p = dict(max_steps=6, batch_tokens=1500, processes=1, micro_batches="auto", warmup_steps=4, schedule="inverse_sqrt",
              lr_scale=1.0, adam_betas=(0.9, 0.98), adam_eps=1e-9, label_smoothing=0.1, clip_norm=0.0, precision="fp32",

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import ROOT, TINY, separate_projections
+from conftest import ROOT, TINY, another_vocabulary, separate_projections
 from pipeline import cli
 from stages import average, decode, export, vocab
 from stages.io import MANIFEST, PipelineError, read_lines
@@ -152,7 +152,8 @@ def test_export_stage_still_stops_at_a_missing_model(vocab_dir, tmp_path):
                    ctranslate2_dir=tmp_path / "ct2")
 
 
-def test_a_model_given_another_runs_vocabulary_is_refused_before_translating(averaged, cleaned, tmp_path, capsys):
+def test_a_model_given_another_runs_vocabulary_is_refused_before_translating(averaged, cleaned, vocab_dir, tmp_path,
+                                                                              capsys):
     import sentencepiece as spm
 
     smaller, proto = tmp_path / "smaller", io.BytesIO()
@@ -162,9 +163,7 @@ def test_a_model_given_another_runs_vocabulary_is_refused_before_translating(ave
                                    minloglevel=2)
     (smaller / vocab.MODEL_FILE).write_bytes(proto.getvalue())
     size = read_model(averaged[0])[1].vocab_size
-    same_size = tmp_path / "same-size"  # of the same text and size, but unigram pieces: other ids
-    vocab.run(vocab.VocabParams(model_type="unigram", vocab_size=size, character_coverage=1.0,
-                                input_sentence_size=0, seed=1), clean_dir=cleaned[0], out_dir=same_size)
+    same_size = another_vocabulary(cleaned[0], vocab_dir, tmp_path / "same-size")
     (tmp_path / "in.en").write_text("A dog runs.\n", encoding="utf-8")
     params = decode.DecodeParams(beam_size=1, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
                                  max_length_extra=3, batch_tokens=8000)

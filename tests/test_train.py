@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, freed_bytes_kept, separate_projections, train_command, train_params, \
-    train_params_file
+from conftest import TINY, another_vocabulary, freed_bytes_kept, separate_projections, train_command, \
+    train_params, train_params_file
 from stages import train
 from stages.batching import BatchSampler
 from stages.devices import default_device
@@ -177,6 +177,14 @@ def test_a_run_started_from_trained_weights_begins_at_them_in_a_folder_of_its_ow
     write_model(start, weights, dataclasses.replace(meta, vocab="0" * 32))
     with pytest.raises(PipelineError, match=r"cannot start this run: it was trained on another vocabulary"):
         run()
+
+
+def test_ids_encoded_with_another_vocabulary_are_refused_before_training(encoded, cleaned, vocab_dir, tmp_path):
+    other = another_vocabulary(cleaned[0], vocab_dir, tmp_path / "unigram")
+    with pytest.raises(PipelineError, match=rf"{encoded[0]} was encoded with another vocabulary than {other}"):
+        train.run(TINY, train_params(max_steps=0), encoded_dir=encoded[0], vocab_dir=other,
+                  checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p")
+    assert not (tmp_path / "c").exists()
 
 
 def test_a_run_starts_from_a_model_saved_with_attention_products_apart(trained, encoded, vocab_dir, tmp_path):
