@@ -361,7 +361,7 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
         accelerator: Accelerator | None = None, init_weights: str | Path | None = None) -> dict[str, float]:
     """Train to `params.max_steps`, in this setup's folder of `checkpoint_dir` (resuming from its newest
     checkpoint, if any), from random weights or from those of `init_weights` (a model or checkpoint of the same
-    shape and vocabulary size). Writes checkpoints there and the loss curves <plots_dir>/train.csv and valid.csv."""
+    shape and vocabulary). Writes checkpoints there and the loss curves <plots_dir>/train.csv and valid.csv."""
     encoded_dir = require_dir(encoded_dir, "encoded data (encode stage output)")
     check_encoded_with(encoded_dir, vocab_dir)
     if default_device().type == "cpu":
