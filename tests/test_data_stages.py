@@ -3,6 +3,7 @@ shared reading and writing they rely on. The chain's fixtures are in conftest.py
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from conftest import CLEAN, ROOT, TRAIN_LINES, download_params
+from conftest import CLEAN, ROOT, TRAIN_LINES, download_params, wait_for
 from stages import clean, download, encode, score, vocab
 from stages.io import ParallelFiles, PipelineError, atomic_write, read_lines, write_manifest
 
@@ -97,6 +98,33 @@ def test_clean_called_by_a_script_without_a_main_guard_stops_and_says_why(tmp_pa
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and not (tmp_path / "out").exists()
     assert 'call it under `if __name__ == "__main__":`' in proc.stderr.splitlines()[-1]
+
+
+def test_clean_stopped_midway_keeps_nothing_and_leaves_no_worker(raw, tmp_path):
+    """SIGTERM to the stage's process group (as the flow passes a stop on) while its workers clean the
+    training split: it ends at once, interrupted, with no output and no process of its group left."""
+    out = tmp_path / "clean"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "clean", "--raw-dir", str(raw[0]), "--out-dir",
+                             str(out), "--metrics", str(tmp_path / "clean.json")], cwd=ROOT, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    said = []
+    for line in proc.stderr:  # the workers are at work once the training split's bar has started
+        said.append(line)
+        if line.startswith("clean train: started"):
+            break
+    os.killpg(proc.pid, signal.SIGTERM)
+    said.append(proc.communicate(timeout=60)[1])
+    assert proc.returncode == 130, "".join(said)
+    assert "interrupted: nothing of this stage's work is kept" in said[-1] and not out.exists()
+
+    def group_gone() -> bool:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for(group_gone, 10, "the stage's workers to end")
 
 def test_vocab_is_shared_by_both_languages(vocab_dir):
     sp = vocab.load(vocab_dir)
