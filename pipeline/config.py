@@ -8,6 +8,7 @@ out of range stops the run with the file, the line and the key named, before any
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -23,6 +24,22 @@ from transformer.config import TransformerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 PARAMS_FILE = ROOT / "params.yaml"
+
+
+def checkout_of(root: Path, dvc_root: str | None) -> Path:
+    """The checkout where records that outlive a run belong (MLflow's store, notes of what a server
+    missed): `root`, unless it is the temporary copy in which DVC runs a queued experiment (`dvc queue
+    start`, `dvc exp run --run-all`: <repository>/.dvc/tmp/exps/<copy>/), deleted when the run ends;
+    then the same folder of the repository it was queued from, which DVC names in DVC_ROOT."""
+    if dvc_root:
+        repository = Path(dvc_root).resolve()
+        copies = repository / ".dvc" / "tmp" / "exps"
+        if root.is_relative_to(copies) and root != copies:
+            return repository.joinpath(*root.relative_to(copies).parts[1:])
+    return root
+
+
+CHECKOUT = checkout_of(ROOT, os.environ.get("DVC_ROOT"))
 
 
 @dataclass(frozen=True)

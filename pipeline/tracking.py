@@ -29,7 +29,7 @@ from typing import Any
 
 from pipeline import unsent
 from pipeline.unsent import flatten
-from pipeline.config import ROOT
+from pipeline.config import CHECKOUT, ROOT
 from stages.io import Stopped
 
 PARENT_ENV = "PIPELINE_MLFLOW_PARENT_RUN_ID"
@@ -37,8 +37,8 @@ PARENT_ENV = "PIPELINE_MLFLOW_PARENT_RUN_ID"
 # the GenAI view of traces and evaluations.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 PIPELINE_TAG = ("run_kind", "pipeline")  # the parent run of a whole pipeline execution
-DEFAULT_DB = ROOT / "mlflow.db"
-ARTIFACTS = ROOT / "mlartifacts"
+DEFAULT_DB = CHECKOUT / "mlflow.db"
+ARTIFACTS = CHECKOUT / "mlartifacts"
 
 
 def tracking_uri() -> str:

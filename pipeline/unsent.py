@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ROOT
+from pipeline.config import CHECKOUT
 from stages.io import atomic_write
 
-NOTES = Path(os.environ.get("PIPELINE_MLFLOW_NOTES", ROOT / ".mlflow-unsent"))  # the notes of what runs missed
+NOTES = Path(os.environ.get("PIPELINE_MLFLOW_NOTES", CHECKOUT / ".mlflow-unsent"))  # the notes of what runs missed
 FLUSH_ENV = "PIPELINE_MLFLOW_FLUSH_SECONDS"  # how long a stage's end waits for the server (default 30)
 METRIC_RECORDS = 10_000  # metric batches held while the server is away; more are left to the files
 THREAD = "mlflow-sender"

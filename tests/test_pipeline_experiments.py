@@ -1,11 +1,13 @@
 """Experiments that compare, in the copy the quickstart ran in (after tests/test_pipeline.py): a changed
 training parameter trains a run of its own and going back retrains nothing, two Table 3 rows run
-from the queue back to back, `python -m pipeline compare` lists them, `dvc plots show` needs no
+from the queue back to back (their MLflow records in the repository's store, not the deleted copy DVC ran them
+in), `python -m pipeline compare` lists them, `dvc plots show` needs no
 network."""
 import re
 import sys
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from conftest import run_in
 
@@ -43,9 +45,13 @@ def test_two_table3_rows_queue_and_run_back_to_back(flow_output, repo):
     assert "holds a" not in ran
     table = run_in(repo, sys.executable, "-m", "pipeline", "compare")
     rows = {line.split()[0]: line for line in table.splitlines()[1:] if line.strip()}
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")  # the repository's, not the run's copy
+    experiment = client.get_experiment_by_name("transformer-en-de").experiment_id
     for name, d_ff in (("table3-T-ff256", 256), ("table3-T-ff64", 64)):
         assert f"d_ff={d_ff}" in rows[name] and rows[name].rstrip().endswith("done"), table
         assert re.search(r" \d+\.\d\d ", rows[name]), rows[name]  # scored
+        runs = {r.data.tags["stage"]: r for r in client.search_runs([experiment], f"tags.dvc_experiment = '{name}'")}
+        assert runs["train"].data.params["model.d_ff"] == str(d_ff) and "decode" in runs, sorted(runs)
 
 
 @pytest.mark.slow

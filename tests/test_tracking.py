@@ -144,6 +144,18 @@ def test_the_run_link_names_the_server_the_run_was_logged_to(monkeypatch):
     assert tracking.run_url_in(line) == "http://127.0.0.1:5000/#/experiments/3/runs/r1"
 
 
+
+def test_a_queued_experiments_records_go_to_the_repository_it_was_queued_from(tmp_path):
+    from pipeline.config import checkout_of
+
+    repo = tmp_path / "repo"
+    copy = repo / ".dvc/tmp/exps/tmpab12cd"  # where `dvc queue start` runs an experiment, deleted afterwards
+    assert checkout_of(copy, str(repo)) == repo
+    assert checkout_of(copy / "project", str(repo)) == repo / "project"  # the project in a folder of the repository
+    assert checkout_of(repo, str(repo)) == repo  # dvc repro, dvc exp run in the workspace
+    assert checkout_of(repo / "project", str(repo)) == repo / "project"
+    assert checkout_of(copy, None) == copy  # not run by DVC
+
 # -- a real `mlflow server`, stopped while the train stage works, then started again --------------------
 
 def _train(params, encoded, vocab_dir, out, env) -> tuple[subprocess.Popen, list[str], float]:
