@@ -73,7 +73,8 @@ def test_set(params: dict[str, str]) -> str:
         return f"WMT14 newstest2014 ({params.get('download.wmt14.test', 'full')})"
     if params.get("download.source") == "multi30k":
         return "Multi30k test_2016_flickr"
-    return f"{params.get('download.local.dir', '?')}/{params.get('download.local.test.src', '?')}"
+    # the test file relative to the corpus folder, or an absolute path of its own
+    return str(Path(params.get("download.local.dir", "?")) / params.get("download.local.test.src", "?"))
 
 
 def _table(runs: list[Run], experiments: list[compare.Experiment]) -> str:

@@ -1,5 +1,5 @@
 """`python -m pipeline compare`: the experiments in a 120-column terminal (real DVC experiments are
-compared in tests/test_pipeline.py)."""
+compared in tests/test_pipeline.py); the report's name of a run's test set."""
 from pipeline.compare import Experiment, table
 
 
@@ -17,3 +17,12 @@ def test_compare_fits_a_120_column_terminal_and_names_what_changed():
     assert lines[1].split()[:5] == ["workspace", "beam_size=4", "d_ff=512", "warmup_steps=300", "27.31"]
     assert "warmup_steps=150" in lines[2] and " 26.50 " in lines[2] and "3.30e+18" in lines[2]
     assert "d_ff=4096" in lines[3] and lines[3].rstrip().endswith("queued") and " - " in lines[3]
+
+
+def test_the_report_names_a_local_test_set_by_its_path():
+    from pipeline.report import test_set
+
+    local = {"download.source": "local", "download.local.dir": "corpora/numbers"}
+    assert test_set({**local, "download.local.test.src": "test.en"}) == "corpora/numbers/test.en"
+    assert test_set({**local, "download.local.test.src": "/data/mine.en"}) == "/data/mine.en"  # not under the dir
+    assert test_set({"download.source": "wmt14", "download.wmt14.test": "full"}) == "WMT14 newstest2014 (full)"
