@@ -2,7 +2,10 @@
 
 Every line: Moses punctuation normalisation and removal of non-printing characters (sacremoses, as
 fairseq's WMT14 recipe runs normalize-punctuation.perl and remove-non-printing-char.perl), Unicode
-normalisation, whitespace trimmed (line endings, CRLF and stray carriage returns included).
+normalisation, whitespace trimmed (line endings, CRLF and stray carriage returns included). Control
+characters (a tab between words, say) become spaces, as remove-non-printing-char.perl makes them, where
+sacremoses would join the words; invisible format characters (soft hyphens, zero-width spaces, direction
+marks) go, where the perl script would split the word at them (Europarl's German has soft hyphens).
 Training pairs are then dropped when a side is empty, longer than `max_tokens` words or
 `max_chars` characters (a megabyte line without a space is one "word"), more than `max_ratio` times
 the other side's length (a sign of misalignment), a copy of its source (untranslated text, common in
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import unicodedata
 from collections import Counter, deque
@@ -54,6 +58,9 @@ def drop_reason(src: str, tgt: str, params: CleanParams) -> str | None:
     return None
 
 
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # Unicode's category Cc
+
+
 class Normalizer:
     """The per-line normalisation for one language."""
 
@@ -65,6 +72,8 @@ class Normalizer:
     def __call__(self, line: str) -> str:
         if self.form:
             line = unicodedata.normalize(self.form, line)
+        if not line.isprintable():  # a quick scan first: most lines have no control character
+            line = CONTROL.sub(" ", line)
         if self.moses:
             line = self.moses.normalize(line)
         return " ".join(line.split())

@@ -69,11 +69,13 @@ def _raw_text(tmp_path, en: bytes, de: bytes):
 
 
 def test_clean_normalises_like_moses(tmp_path):
-    raw = _raw_text(tmp_path, "\u201cQuoted\u201d  text\u00a0here\r\nfine\n".encode(),
-                    "\u201eZitat\u201c\u200b Text\r\ngut\n".encode())
+    # a control character between words is a space (remove-non-printing-char.perl's; sacremoses would join
+    # them), a soft hyphen or zero-width space goes (sacremoses'; the perl script would split the word)
+    raw = _raw_text(tmp_path, "\u201cQuoted\u201d  text\u00a0here\r\nfine\none\ttwo\x0bthree\n".encode(),
+                    "\u201eZitat\u201c\u200b Text\r\ngut\nAbgeord\u00adnete\u0085hier, drei\n".encode())
     clean.run(CLEAN, raw_dir=raw, out_dir=tmp_path / "out")
-    assert (tmp_path / "out/train.en").read_text(encoding="utf-8") == '"Quoted" text here\nfine\n'
-    assert (tmp_path / "out/train.de").read_text(encoding="utf-8") == '"Zitat" Text\ngut\n'
+    assert (tmp_path / "out/train.en").read_text(encoding="utf-8") == '"Quoted" text here\nfine\none two three\n'
+    assert (tmp_path / "out/train.de").read_text(encoding="utf-8") == '"Zitat" Text\ngut\nAbgeordnete hier, drei\n'
 
 
 def test_clean_invalid_utf8_names_file_line_and_byte_or_is_dropped(tmp_path):
