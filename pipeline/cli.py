@@ -68,10 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
 def translate_command(args: argparse.Namespace) -> None:
     import dataclasses
 
-    from stages import decode
+    from stages import clean, decode
     from stages.devices import default_device
 
-    params = config.load_params(args.params).decode
+    loaded = config.load_params(args.params)
+    params = loaded.decode
     changes = dict(presets.parse_override(o) for o in args.overrides)
     unknown = [k for k in changes if not k.startswith("decode.") or not hasattr(params, k.split(".", 1)[1])]
     if unknown:
@@ -82,7 +83,8 @@ def translate_command(args: argparse.Namespace) -> None:
         raise PipelineError(f"-S decode.{e.args[0]}: {e.args[-1]}") from None
     lines = list(read_lines(args.input) if args.input else decode_lines(sys.stdin.buffer, "standard input"))
     translator, sp = decode.load_with_vocabulary(args.model, args.vocab_dir, default_device(), params.precision)
-    for line in decode.translate(translator, sp, lines, params, desc="translate"):
+    normalize = clean.Normalizer(loaded.download.src_lang, loaded.clean)  # as the training text was
+    for line in decode.translate(translator, sp, lines, params, desc="translate", normalize=normalize):
         print(line)
 
 

@@ -28,17 +28,20 @@ def register_model(parent: Tracker, params: Params, test_bleu: float) -> str | N
     name = model_name(params)
     mlflow.set_tracking_uri(tracking_uri())
     with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_id=parent.run_id):
-        # decoding parameters as a file the model carries (a model_config would also become unprefixed run params)
-        decode_file = Path(tmp) / "decode.json"
-        decode_file.write_text(json.dumps(dataclasses.asdict(params.decode)), encoding="utf-8")
+        # decoding parameters and the input's normalisation as files the model carries (a model_config would
+        # also become unprefixed run params)
+        files = {"decode": dataclasses.asdict(params.decode),
+                 "clean": {"lang": params.download.src_lang, **dataclasses.asdict(params.clean)}}
+        for kind, content in files.items():
+            (Path(tmp) / f"{kind}.json").write_text(json.dumps(content), encoding="utf-8")
         info = mlflow.pyfunc.log_model(
             name="translator", python_model=str(ROOT / "pipeline/serving.py"),
             artifacts={"model": str(ROOT / paths["model"]), "vocab": str(ROOT / paths["vocab"]),
-                       "decode": str(decode_file)},
+                       **{kind: str(Path(tmp) / f"{kind}.json") for kind in files}},
             code_paths=[str(ROOT / package) for package in ("stages", "translate", "transformer")],
             registered_model_name=name,
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "sentencepiece", "safetensors", "numpy",
-                              "tqdm"])
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "sentencepiece", "sacremoses", "safetensors",
+                              "numpy", "tqdm"])
     version = str(info.registered_model_version)
     parent.client.set_model_version_tag(name, version, "test_bleu", f"{test_bleu:.4f}")
     point_best(parent.client, name)

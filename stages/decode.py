@@ -4,6 +4,7 @@ engine is translate/; this stage reads the model and the text and writes the tra
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,10 +60,12 @@ def _translator(model: Transformer, device: torch.device, precision: str) -> Tra
 
 
 def translate(translator: Translator, sp, lines: list[str], params: DecodeParams,
-              desc: str | None = "decode") -> list[str]:
+              desc: str | None = "decode", normalize: Callable[[str], str] | None = None) -> list[str]:
     """Translate `lines` (text), returned in input order; lines longer than the model's positions are
-    cut, with a warning. Progress is shown as `desc`, or not at all with None."""
-    encoded = sp.encode(lines)
+    cut, with a warning. Progress is shown as `desc`, or not at all with None. Text that is not the
+    clean stage's output needs `normalize`, its normalisation (clean.Normalizer): the model has seen
+    only normalised text, and a character it has not seen (a curly quote, an en dash) is unknown to it."""
+    encoded = sp.encode([normalize(line) for line in lines] if normalize else lines)
     limit = translator.max_input_length
     cut = sum(len(ids) > limit for ids in encoded)
     if cut:

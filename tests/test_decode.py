@@ -228,3 +228,45 @@ def test_an_empty_line_translates_to_an_empty_line(averaged, vocab_dir, tmp_path
     out = capsys.readouterr().out.split("\n")
     assert len(out) == 5 and out[0] == out[2] == out[3] == "" and out[4] == ""  # four lines, then the end
     assert searched == [1]  # only the sentence was searched; a model asked for an empty line says something
+
+
+TYPED = "The \u201cEuropean\u201d Parliament\u2019s vote \u2013 today."  # as a word processor writes it
+NORMALISED = "The \"European\" Parliament's vote - today."  # as the clean stage writes the training text
+
+
+@pytest.fixture
+def sources_searched(monkeypatch) -> list:
+    """The token ids each translate_batch call is given."""
+    seen: list = []
+    batch = translator_module.Translator.translate_batch
+    monkeypatch.setattr(translator_module.Translator, "translate_batch",
+                        lambda self, sources, **kw: (seen.extend(sources), batch(self, sources, **kw))[1])
+    return seen
+
+
+def test_translate_normalises_its_input_as_the_training_text_was(averaged, vocab_dir, tmp_path, capsys,
+                                                                 sources_searched):
+    (tmp_path / "in.en").write_text(TYPED + "\n", encoding="utf-8")
+    assert cli.main(["translate", str(tmp_path / "in.en"), "--model", str(averaged[0]), "--vocab-dir", str(vocab_dir),
+                     "-S", "decode.max_length_extra=3"]) == 0
+    assert sources_searched == [vocab.load(vocab_dir).encode(NORMALISED)]
+
+
+def test_the_served_model_normalises_its_input_as_the_training_text_was(averaged, vocab_dir, tmp_path,
+                                                                        sources_searched):
+    import json
+    from types import SimpleNamespace
+
+    from conftest import CLEAN
+    from pipeline import serving
+
+    params = decode.DecodeParams(beam_size=1, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
+                                 max_length_extra=3, batch_tokens=8000)
+    files = {"decode": dataclasses.asdict(params), "clean": {"lang": "en", **dataclasses.asdict(CLEAN)}}
+    for kind, content in files.items():
+        (tmp_path / f"{kind}.json").write_text(json.dumps(content), encoding="utf-8")
+    model = serving.Translator()
+    model.load_context(SimpleNamespace(artifacts={"model": str(averaged[0]), "vocab": str(vocab_dir),
+                                                  **{kind: str(tmp_path / f"{kind}.json") for kind in files}}))
+    model.predict(None, [TYPED])
+    assert sources_searched == [vocab.load(vocab_dir).encode(NORMALISED)]

@@ -90,6 +90,7 @@ def test_the_model_is_registered_as_a_translator_with_the_best_alias(flow_output
     assert not [w for w in caught if "predict function" in str(w.message)]  # its type hint is one MLflow takes
     expected = (repo / "data/hyps/test.de").read_text(encoding="utf-8").splitlines()[:3]
     assert model.predict(lines) == expected  # the logged model decodes as the decode stage did
+    assert model.predict([line.replace("-", "\u2013") for line in lines]) == expected  # en dashes, normalised
     assert model.predict(pd.DataFrame({"text": lines})) == expected  # one column, as mlflow.evaluate passes
     assert model.metadata.signature.inputs.to_dict() == [{"type": "string", "required": True}]
     with pytest.raises(mlflow.exceptions.MlflowException, match=r"list\[str\]"):
