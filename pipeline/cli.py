@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pipeline import config, dag, presets, stage
+from pipeline import config, dag, presets, runlock, stage
 from pipeline.config import Params
 from stages import progress, vocab
 from stages.io import PipelineError, decode_lines, read_lines
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.dvc_args:
                 print(shlex.join(presets.dvc_set_args(overrides)))
             else:
+                runlock.hold()
                 params = presets.apply(args.names, presets.collect_overrides([], args.overrides))
                 print(f"params.yaml: set {', '.join(overrides) or 'nothing'}")
                 print(model_size(params))
@@ -170,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             names = ["quickstart", *args.preset] if args.command == "quickstart" else args.preset
             overrides = presets.collect_overrides([], args.overrides)
-            # A wrong preset, key or value stops here, in a line, before Prefect starts a server for the flow.
+            # A wrong preset, key or value, or another run at work here, stops here, in a line, before Prefect
+            # starts a server for the flow.
             presets.layered({**presets.collect_overrides(names, []), **overrides}, start_over=bool(names))
+            runlock.hold()
             from pipeline import flow
 
             flow.quiet_if_the_server_is_lost()

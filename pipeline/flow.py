@@ -38,7 +38,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from pipeline import config, dag, registry, tracking, unsent
+from pipeline import config, dag, registry, runlock, tracking, unsent
 from pipeline import presets as presets_module  # the flow's parameter is named presets
 from stages.io import PipelineError, read_json
 from stages.train_metrics import parse_progress
@@ -210,6 +210,7 @@ FINISHED: dict[str, Any] = {}
 @flow(name="transformer-pipeline", log_prints=True)
 def pipeline(presets: list[str] | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any] | State:
     """Apply presets and overrides to params.yaml, then run every stage of dvc.yaml in order."""
+    runlock.hold()  # a deployment's run as well as the command's
     FINISHED.clear()
     params = presets_module.apply(presets or [], overrides or {}) if presets or overrides else config.load_params()
     experiment = tracking.experiment_name(params.download.src_lang, params.download.tgt_lang)

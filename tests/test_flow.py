@@ -1,11 +1,13 @@
 """What the Prefect flow shows of a stage while it works: each line as soon as it is printed, without
-DVC's advice, training progress as a progress artifact and the stage's MLflow run as a link."""
+DVC's advice, training progress as a progress artifact and the stage's MLflow run as a link; one run
+at a time in a checkout."""
 import subprocess
 import sys
 import time
 
 import pytest
 
+from conftest import copy_project, env_of
 from pipeline import config, flow, tracking
 from stages.io import PipelineError
 from stages.train_metrics import parse_progress, progress_line
@@ -107,3 +109,28 @@ def test_deploy_refuses_a_source_that_is_not_the_project_and_a_missing_server(tm
     monkeypatch.setenv("PREFECT_PROFILES_PATH", str(tmp_path / "profiles.toml"))  # no profile's URL either
     with pytest.raises(PipelineError, match="deploy needs a Prefect server that outlives it"):
         flow.deploy("team", str(config.ROOT))
+
+
+def test_a_second_run_in_the_checkout_is_refused_before_it_touches_params_yaml(tmp_path_factory):
+    """A run writes params.yaml and its stages read it as they start: a second run beside it would change
+    the first's later stages (and DVC would record them under the second's parameters)."""
+    repo = copy_project(tmp_path_factory)
+    env = env_of(repo)
+    holder = subprocess.Popen([sys.executable, "-c", "from pipeline import runlock; runlock.hold(); print('held', "
+                               "flush=True); import time; time.sleep(300)"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                              text=True)
+    before = (repo / "params.yaml").read_bytes()
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for args in (["run", "-S", "train.max_steps=3"], ["quickstart"], ["preset", "quickstart"]):
+            proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=repo, env=env, capture_output=True,
+                                  text=True, timeout=120)
+            said = f"error: another pipeline run is working in this checkout (pid {holder.pid}, "
+            assert proc.returncode == 1 and said in proc.stderr and "prefect" not in proc.stderr.lower(), proc.stderr
+        assert (repo / "params.yaml").read_bytes() == before
+    finally:
+        holder.kill()
+        holder.wait()
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "preset", "quickstart"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)  # a killed holder leaves no lock behind
+    assert proc.returncode == 0 and (repo / "params.yaml").read_bytes() != before, proc.stderr
