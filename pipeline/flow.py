@@ -174,12 +174,13 @@ def failure(stage: str, lines: list[str]) -> str:
     the indented lines that go on with it, on one line; else the exception it ended in) rather than
     DVC's wrapper around them."""
     own = [i for i, line in enumerate(lines) if line.startswith(("error:", "stopped:", "interrupted:"))]
-    if own:
-        more = takewhile(lambda line: line.startswith((" ", "\t")), lines[own[-1] + 1:])
-        said = " ".join([lines[own[-1]].removeprefix("error: "), "; ".join(line.strip() for line in more)]).strip()
-    else:  # an exception it did not expect: the traceback's last line, then DVC's
-        said = next((line for line in reversed(lines) if re.match(r"[\w.]+(Error|Exception|Interrupt): ", line)),
-                    next((line for line in reversed(lines) if line.startswith("ERROR:")), "see its log"))
+    # else an exception it did not expect (the traceback's last line), else DVC's own error (the stage not run)
+    raised = [i for i, line in enumerate(lines) if re.match(r"[\w.]+(Error|Exception|Interrupt): ", line)]
+    dvc = [i for i, line in enumerate(lines) if line.startswith("ERROR:")]
+    if not (chosen := own or raised or dvc):
+        return f"stage '{stage}' failed: see its log (the stages before it keep their outputs)"
+    more = takewhile(lambda line: line.startswith((" ", "\t")), lines[chosen[-1] + 1:])
+    said = " ".join([lines[chosen[-1]].removeprefix("error: "), "; ".join(line.strip() for line in more)]).strip()
     return f"stage '{stage}' failed: {said} (the stages before it keep their outputs)"
 
 

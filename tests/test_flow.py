@@ -91,6 +91,12 @@ def test_a_failed_stage_is_told_in_its_own_words_with_the_lines_that_go_on_with_
         "stage 'train' failed: torch.OutOfMemoryError: CUDA out of memory. (the stages before it keep their outputs)")
     assert flow.failure("train", ["ERROR: failed to reproduce 'train'"]) == (
         "stage 'train' failed: ERROR: failed to reproduce 'train' (the stages before it keep their outputs)")
+    busy = ["ERROR: failed to reproduce 'vocab': 'metrics/vocab.json' is busy, it is being blocked by:",  # DVC's lock
+            "  (PID 4039): dvc repro --single-item train", "",
+            "If there are no processes with such PIDs, you can manually remove '.dvc/tmp/rwlock' and try again."]
+    assert flow.failure("vocab", busy) == (
+        "stage 'vocab' failed: ERROR: failed to reproduce 'vocab': 'metrics/vocab.json' is busy, it is being blocked "
+        "by: (PID 4039): dvc repro --single-item train (the stages before it keep their outputs)")
 
 
 def test_the_progress_line_reads_back():
