@@ -24,7 +24,8 @@ _held: IO[str] | None = None  # this process's hold, for the rest of its life
 
 
 def hold() -> None:
-    """Hold the checkout's run lock until this process ends (again: nothing more), or refuse with what holds it."""
+    """Hold the checkout's run lock until this process ends (a second call does nothing), or refuse, naming
+    what holds it."""
     global _held
     if _held is not None:
         return
