@@ -86,7 +86,13 @@ def read_json(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise PipelineError(f"{path}: not found (has the stage that writes it run?)")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:  # damaged, or not the file the stage wrote
+        raise PipelineError(f"{path}:{e.lineno}: not valid JSON ({e.msg}): run the stage that writes it "
+                            "again") from None
+    except UnicodeDecodeError as e:
+        raise PipelineError(f"{path}: not UTF-8 text (byte {e.start}): run the stage that writes it again") from None
 
 
 def require_dir(path: str | Path, what: str) -> Path:

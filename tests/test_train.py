@@ -4,6 +4,7 @@ timing, curves, summary)."""
 import dataclasses
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from conftest import TINY, another_vocabulary, freed_bytes_kept, separate_projec
 from stages import train
 from stages.batching import BatchSampler
 from stages.devices import default_device
-from stages.io import PipelineError
+from stages.io import MANIFEST, PipelineError
 from stages.checkpoint import Checkpointer, Processes, Schedule
 from stages.model_files import ModelMeta, current_dir, list_checkpoints, read_checkpoint, write_checkpoint, \
     read_model, write_model
@@ -183,6 +184,16 @@ def test_ids_encoded_with_another_vocabulary_are_refused_before_training(encoded
     other = another_vocabulary(cleaned[0], vocab_dir, tmp_path / "unigram")
     with pytest.raises(PipelineError, match=rf"{encoded[0]} was encoded with another vocabulary than {other}"):
         train.run(TINY, train_params(max_steps=0), encoded_dir=encoded[0], vocab_dir=other,
+                  checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p")
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_damaged_manifest_of_the_encoded_data_is_named_with_its_line(encoded, vocab_dir, tmp_path):
+    damaged = tmp_path / "encoded"
+    shutil.copytree(encoded[0], damaged)
+    (damaged / MANIFEST).write_text('{"src_lang": "en",\n "tgt_lang": \n', encoding="utf-8")  # cut short
+    with pytest.raises(PipelineError, match=rf"{damaged / MANIFEST}:3: not valid JSON \(Expecting value\)"):
+        train.run(TINY, train_params(max_steps=0), encoded_dir=damaged, vocab_dir=vocab_dir,
                   checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "p")
     assert not (tmp_path / "c").exists()
 
