@@ -261,7 +261,8 @@ def sync(say: Any = print) -> int:
     for path in notes:
         note = json.loads(path.read_text(encoding="utf-8"))
         name = f"{note['stage']} run {note['run_id']} on {note['tracking_uri']}"
-        changed = [p for p, d in note["digests"].items() if not Path(p).is_file() or digest(Path(p)) != d]
+        gone = [p for p in note["digests"] if not Path(p).is_file()]
+        changed = [p for p, d in note["digests"].items() if p not in gone and digest(Path(p)) != d]
         client = MlflowClient(tracking_uri=note["tracking_uri"])
         try:
             client.get_run(note["run_id"])
@@ -270,10 +271,13 @@ def sync(say: Any = print) -> int:
             left += 1
             continue
         sent = 0
+        if gone:  # a queued DVC experiment's files went with the copy DVC ran it in
+            say(f"sync: {name}: {', '.join(gone)} gone since (removed, or a queued experiment's copy, which DVC "
+                "deletes): its metrics are not sent from them")
         if changed:
             say(f"sync: {name}: {', '.join(changed)} changed since (a later run wrote them): its metrics are not "
                 "sent from them")
-        else:
+        if not gone and not changed:
             summary = Path(note["summary"]) if note["summary"] else None
             sent = replay(client, note["run_id"], summary, [Path(p) for p in note["curves"]])
         for kind in ("params", "tags"):

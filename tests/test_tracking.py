@@ -131,6 +131,23 @@ def test_sync_keeps_a_note_while_its_server_is_away_and_refuses_files_a_later_ru
     assert client.get_run(run).data.metrics == {} and client.get_run(run).info.status == "FINISHED"
 
 
+def test_sync_says_a_file_that_is_gone_is_gone_and_still_sends_the_rest(tmp_path, capsys):
+    """A queued DVC experiment's stage files go with the copy DVC ran it in; its note stays in the checkout."""
+    from mlflow.tracking import MlflowClient
+
+    summary = tmp_path / "copy" / "score.json"
+    summary.parent.mkdir()
+    summary.write_text(json.dumps({"test": {"bleu": 30.0}}))
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("e")).info.run_id
+    unsent.write_note(f"sqlite:///{tmp_path / 'mlflow.db'}", run, "score", [unsent.Record("status", "FINISHED")],
+                      summary, [])
+    summary.unlink()
+    assert unsent.sync() == 0
+    assert f"{summary} gone since (removed, or a queued experiment's copy" in capsys.readouterr().out
+    assert client.get_run(run).data.metrics == {} and client.get_run(run).info.status == "FINISHED"
+
+
 def test_the_run_link_names_the_server_the_run_was_logged_to(monkeypatch):
     monkeypatch.delenv("MLFLOW_UI_URL", raising=False)
     served = tracking.Tracker(None, None, "3", "http://10.0.0.7:5050")
