@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     table3.add_argument("rows", nargs="*", help="row names (default: all)")
     table3.add_argument("--queue", action="store_true", help="queue them with `dvc exp run --queue` (else print)")
     report = sub.add_parser("report", help="markdown and plots comparing the tracked runs with the paper")
-    report.add_argument("--out", type=Path, default=Path("reports"))
+    report.add_argument("--out", type=Path, default=Path("reports"),
+                        help="folder of the report and its plots (default reports)")
     sub.add_parser("serve", help="serve the flow as a Prefect deployment (start runs from the Prefect UI)")
     deploy = sub.add_parser("deploy", help="register the flow to a Prefect process work pool, for workers to run")
     deploy.add_argument("--pool", required=True, help="the work pool (a process pool, made if missing)")
@@ -49,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "once it answers")
     sub.add_parser("offline-plots", help="fetch vega once, so that `dvc plots show` works offline (make setup runs it)")
     preset = sub.add_parser("preset", help="apply presets and overrides to params.yaml without running")
-    preset.add_argument("names", nargs="*")
-    preset.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    preset.add_argument("names", nargs="*", help="presets/<name>.yaml, applied in order")
+    preset.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one parameter, as `dvc exp run -S`")
     preset.add_argument("--dvc-args", action="store_true", help="print the -S arguments for `dvc exp run` instead")
     paths = dag.paths()
     translate = sub.add_parser("translate", help="translate lines of a file (or standard input) to standard output")
@@ -58,10 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     # the defaults are the pipeline's outputs, found from any folder, as `dvc` and `--params` find theirs
     translate.add_argument("--model", type=Path, default=config.ROOT / paths["model"],
                            help="an averaged model (.safetensors) or a training checkpoint (.pt)")
-    translate.add_argument("--vocab-dir", type=Path, default=config.ROOT / paths["vocab"])
+    translate.add_argument("--vocab-dir", type=Path, default=config.ROOT / paths["vocab"],
+                           help="the vocabulary the model was trained on (default: the vocab stage's)")
     translate.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="decode.KEY=VALUE",
                            help="decoding parameters for this run only (params.yaml's decode section otherwise)")
-    translate.add_argument("--params", type=Path, default=config.PARAMS_FILE)
+    translate.add_argument("--params", type=Path, default=config.PARAMS_FILE,
+                           help="parameters: its decode and clean sections and source language (default params.yaml)")
     return parser
 
 

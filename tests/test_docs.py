@@ -356,3 +356,23 @@ def test_every_shell_block_of_the_readme_says_what_runs_it():
             else:
                 missing = [] if re.search(rf"^{re.escape(shlex.join(words))}\b", runner, re.M) else words
             assert not missing, f"{name} does not run `{shlex.join(words)}`: {missing} not in it"
+
+
+def _options_without_help(parser: argparse.ArgumentParser, name: str) -> list[str]:
+    """`name`'s options and positional arguments, and its subcommands', that --help shows without a word."""
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, subparser in action.choices.items():
+                missing += _options_without_help(subparser, f"{name} {sub}")
+        elif not action.help and not isinstance(action, argparse._HelpAction):
+            missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    return missing
+
+
+def test_every_option_of_the_command_line_says_what_it_is():
+    """`python -m pipeline <command> --help` and each stage's own parser describe every argument."""
+    missing = _options_without_help(cli.build_parser(), "pipeline")
+    for name in dag.stage_descriptions():
+        missing += _options_without_help(stage.parser(stage.contract(name), "stage"), f"pipeline {name}")
+    assert not missing, f"arguments --help shows without a description: {missing}"
