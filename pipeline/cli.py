@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             runlock.hold()
             from pipeline import flow
 
+            flow.use_a_server_that_answers()
             flow.quiet_if_the_server_is_lost()
             try:
                 state = flow.pipeline(presets=names, overrides=overrides, return_state=True)

@@ -266,6 +266,49 @@ def quiet_if_the_server_is_lost() -> None:
     logging.raiseExceptions = False
 
 
+SERVER_TIMEOUT = 10.0  # seconds the Prefect server has to answer before a run goes on without it, as MLflow's
+
+
+def unanswered() -> tuple[str, str] | None:
+    """(address, why) where the Prefect server the settings name (PREFECT_API_URL, or the profile's) does not
+    answer within SERVER_TIMEOUT; None where it answers (any answer: Prefect Cloud's 401 too) or none is named."""
+    import httpx
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    try:
+        if url:
+            httpx.get(f"{url.rstrip('/')}/health", timeout=SERVER_TIMEOUT)
+    except httpx.TransportError as e:
+        return url, f"{type(e).__name__}: {e}"
+    return None
+
+
+def use_a_server_that_answers() -> None:
+    """Where the Prefect server the settings name does not answer, say so in one line and have this process's
+    flow run on a temporary server that Prefect starts itself, as when none is named: a monitoring server
+    away costs the run its place in that server's UI, not the run (DVC and MLflow record it either way)."""
+    from prefect.context import refresh_global_settings_context
+    from prefect.settings import get_current_settings
+
+    if (away := unanswered()) is None:
+        return
+    print(f"warning: the Prefect server {away[0]} does not answer ({away[1]}); this run's flow goes to a temporary "
+          "server of its own, not to that one's UI (DVC and MLflow record the run as ever)", file=sys.stderr)
+    os.environ.pop("PREFECT_API_URL", None)
+    refresh_global_settings_context()  # the settings every thread of Prefect's reads, from the environment
+    if get_current_settings().api.url:  # the profile names it: Prefect's own profile of a temporary server
+        os.environ["PREFECT_PROFILE"] = "ephemeral"
+        refresh_global_settings_context()
+
+
+def require_an_answering_server(command: str) -> None:
+    """Stop `command`, which registers with the Prefect server the settings name, where that one does not answer."""
+    if (away := unanswered()) is not None:
+        raise PipelineError(f"{command} needs the Prefect server {away[0]}, which does not answer ({away[1]}): "
+                            "start it (prefect server start), or point PREFECT_API_URL at one that runs")
+
+
 def server_lost(error: BaseException | str) -> str | None:
     """'the Prefect server ... was lost' when the flow ended because its server stopped answering (an
     exception out of the flow, or a task's failure message); None for any other ending."""
@@ -308,6 +351,7 @@ def report_markdown(scores: dict[str, Any], parent: tracking.Tracker, model: str
 
 def serve() -> None:
     """Serve the flow as a deployment: the Prefect UI's "Run" takes presets and overrides."""
+    require_an_answering_server("serve")
     names = ", ".join(presets_module.preset_names())
     pipeline.serve(name=DEPLOYMENT, parameters={"presets": [], "overrides": {}},
                    description=f"The Transformer pipeline of dvc.yaml; presets: {names}")
@@ -332,6 +376,7 @@ def deploy(pool: str, source: str) -> str:
     if not get_current_settings().api.url:
         raise PipelineError("deploy needs a Prefect server that outlives it: start one (prefect server start) and "
                             "point PREFECT_API_URL at it (prefect config set PREFECT_API_URL=http://HOST:4200/api)")
+    require_an_answering_server("deploy")
     with get_client(sync_client=True) as client:
         try:
             client.read_work_pool(pool)

@@ -6,8 +6,10 @@ import sys
 import time
 
 import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from conftest import copy_project, env_of
+from servers import free_port
 from pipeline import config, flow, tracking
 from stages.io import PipelineError
 from stages.train_metrics import parse_progress, progress_line
@@ -107,7 +109,8 @@ def test_the_progress_line_reads_back():
 
 
 def test_deploy_refuses_a_source_that_is_not_the_project_and_a_missing_server(tmp_path, monkeypatch):
-    """Both before anything is registered: a worker could not run either deployment."""
+    """Each before anything is registered: a worker could not run the deployment; and a server named but
+    not answering stops deploy and serve with a line saying so, not a traceback."""
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # never reached: refused first
     with pytest.raises(PipelineError, match=f"deploy --source {tmp_path}: neither a git URL nor a checkout"):
         flow.deploy("team", str(tmp_path))
@@ -115,6 +118,12 @@ def test_deploy_refuses_a_source_that_is_not_the_project_and_a_missing_server(tm
     monkeypatch.setenv("PREFECT_PROFILES_PATH", str(tmp_path / "profiles.toml"))  # no profile's URL either
     with pytest.raises(PipelineError, match="deploy needs a Prefect server that outlives it"):
         flow.deploy("team", str(config.ROOT))
+    nobody = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
+    for command, call in (("deploy", lambda: flow.deploy("team", str(config.ROOT))), ("serve", flow.serve)):
+        with temporary_settings(updates={PREFECT_API_URL: nobody}), \
+                pytest.raises(PipelineError, match=f"{command} needs the Prefect server {nobody}, which does not "
+                                                   r"answer \(ConnectError"):
+            call()
 
 
 def test_a_second_run_in_the_checkout_is_refused_before_it_touches_params_yaml(tmp_path_factory):

@@ -32,6 +32,24 @@ def _files(root, folder: str) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / folder).rglob("*")) if p.is_file()}
 
 
+def test_a_run_whose_prefect_server_does_not_answer_goes_on_without_it(completed, tmp_path):
+    """A server that PREFECT_API_URL or the active profile names, down when a run starts, costs one line:
+    the flow runs to its end on a temporary server of its own (Prefect's, as when none is named). The
+    quickstart as the copy has it, so every stage is DVC's to skip."""
+    url = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
+    profiles = tmp_path / "profiles.toml"
+    profiles.write_text(f'active = "team"\n\n[profiles.team]\nPREFECT_API_URL = "{url}"\n', encoding="utf-8")
+    env = {k: v for k, v in env_of(completed).items() if k != "PREFECT_API_URL"}
+    for named in ({"PREFECT_API_URL": url}, {"PREFECT_PROFILES_PATH": str(profiles)}):
+        proc = subprocess.run([sys.executable, "-m", "pipeline", "quickstart", *SMALL], cwd=completed,
+                              env={**env, **named}, capture_output=True, text=True, timeout=600)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, output[-4000:]
+        assert f"warning: the Prefect server {url} does not answer (ConnectError" in output, output[-4000:]
+        assert "Starting temporary server" in output and "test BLEU" in output, output[-4000:]
+        assert "Traceback" not in output and "ERROR" not in output, output[-4000:]
+
+
 def test_a_teammate_pulls_a_pushed_run_and_dvc_repro_has_nothing_to_do(completed, tmp_path):
     run_in(completed, *DVC, "remote", "add", "--default", "team", str(tmp_path / "remote"))  # as docs/scaling.md says
     run_in(completed, *DVC, "push")
