@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import compare, tracking
-from stages.io import atomic_write
+from pipeline import compare, tracking, unsent
+from stages.io import PipelineError, atomic_write
 
 PAPER = [  # name, test BLEU en-de (tokenised), en-fr, parameters, training FLOPs, GPU-hours (P100)
     ("paper: Transformer base", 27.3, 38.1, 65e6, 3.3e18, 12 * 8),
@@ -42,9 +42,16 @@ def mlflow_runs() -> list[Run]:
     """Every finished pipeline run of every language pair's experiment, oldest first."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=tracking.tracking_uri())
+    uri = tracking.tracking_uri()
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        experiments = client.search_experiments(filter_string="name LIKE 'transformer-%'")
+    except Exception as e:  # noqa: BLE001 - whatever keeps the store from being read: said in a line
+        raise PipelineError(f"report reads the tracked runs, and MLflow's store {uri} could not be read "
+                            f"({unsent.reason(e)}): start its server, or unset MLFLOW_TRACKING_URI to read this "
+                            "checkout's own") from None
     runs = []
-    for exp in client.search_experiments(filter_string="name LIKE 'transformer-%'"):
+    for exp in experiments:
         key, value = tracking.PIPELINE_TAG
         parents = client.search_runs([exp.experiment_id], f"tags.{key} = '{value}' and attributes.status = 'FINISHED'",
                                      order_by=["attributes.start_time ASC"])

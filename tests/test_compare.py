@@ -1,6 +1,11 @@
 """`python -m pipeline compare`: the experiments in a 120-column terminal (real DVC experiments are
-compared in tests/test_pipeline.py); the report's name of a run's test set."""
+compared in tests/test_pipeline.py); the report's name of a run's test set, and its word when the
+tracking store cannot be read."""
+import pytest
+from servers import free_port
+
 from pipeline.compare import Experiment, table
+from stages.io import PipelineError
 
 
 def test_compare_fits_a_120_column_terminal_and_names_what_changed():
@@ -26,3 +31,15 @@ def test_the_report_names_a_local_test_set_by_its_path():
     assert test_set({**local, "download.local.test.src": "test.en"}) == "corpora/numbers/test.en"
     assert test_set({**local, "download.local.test.src": "/data/mine.en"}) == "/data/mine.en"  # not under the dir
     assert test_set({"download.source": "wmt14", "download.wmt14.test": "full"}) == "WMT14 newstest2014 (full)"
+
+
+def test_the_report_says_in_a_line_that_the_tracking_server_does_not_answer(tmp_path, monkeypatch):
+    from pipeline.report import write_report
+
+    nobody = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", nobody)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with pytest.raises(PipelineError, match=f"report reads the tracked runs, and MLflow's store {nobody} could not "
+                                            r"be read \(connection refused\): start its server"):
+        write_report(tmp_path)
+    assert not (tmp_path / "report.md").exists()
