@@ -303,7 +303,13 @@ def use_a_server_that_answers() -> None:
 
 
 def require_an_answering_server(command: str) -> None:
-    """Stop `command`, which registers with the Prefect server the settings name, where that one does not answer."""
+    """Stop `command`, which registers the flow with the Prefect server the settings name for runs started
+    elsewhere, where none is named (a temporary server would end with the command) or it does not answer."""
+    from prefect.settings import get_current_settings
+
+    if not get_current_settings().api.url:
+        raise PipelineError(f"{command} needs a Prefect server that outlives it: start one (prefect server start) "
+                            "and point PREFECT_API_URL at it (prefect config set PREFECT_API_URL=http://HOST:4200/api)")
     if (away := unanswered()) is not None:
         raise PipelineError(f"{command} needs the Prefect server {away[0]}, which does not answer ({away[1]}): "
                             "start it (prefect server start), or point PREFECT_API_URL at one that runs")
@@ -367,15 +373,11 @@ def deploy(pool: str, source: str) -> str:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
-    from prefect.settings import get_current_settings
     from prefect.workers.process import ProcessWorker
 
     if "://" not in source and not source.startswith("git@") and not (Path(source) / ENTRYPOINT_FILE).is_file():
         raise PipelineError(f"deploy --source {source}: neither a git URL nor a checkout of this project "
                             f"(no {ENTRYPOINT_FILE} there)")
-    if not get_current_settings().api.url:
-        raise PipelineError("deploy needs a Prefect server that outlives it: start one (prefect server start) and "
-                            "point PREFECT_API_URL at it (prefect config set PREFECT_API_URL=http://HOST:4200/api)")
     require_an_answering_server("deploy")
     with get_client(sync_client=True) as client:
         try:

@@ -108,7 +108,7 @@ def test_the_progress_line_reads_back():
     assert parse_progress("train: 10%|#| 1400/100000") is None and parse_progress("step 3/4 done") is None
 
 
-def test_deploy_refuses_a_source_that_is_not_the_project_and_a_missing_server(tmp_path, monkeypatch):
+def test_deploy_and_serve_refuse_a_source_that_is_not_the_project_and_a_missing_server(tmp_path, monkeypatch):
     """Each before anything is registered: a worker could not run the deployment; and a server named but
     not answering stops deploy and serve with a line saying so, not a traceback."""
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # never reached: refused first
@@ -118,6 +118,8 @@ def test_deploy_refuses_a_source_that_is_not_the_project_and_a_missing_server(tm
     monkeypatch.setenv("PREFECT_PROFILES_PATH", str(tmp_path / "profiles.toml"))  # no profile's URL either
     with pytest.raises(PipelineError, match="deploy needs a Prefect server that outlives it"):
         flow.deploy("team", str(config.ROOT))
+    with pytest.raises(PipelineError, match="serve needs a Prefect server that outlives it"):
+        flow.serve()  # on a temporary server, no one else could start its runs
     nobody = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
     for command, call in (("deploy", lambda: flow.deploy("team", str(config.ROOT))), ("serve", flow.serve)):
         with temporary_settings(updates={PREFECT_API_URL: nobody}), \
