@@ -175,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             names = ["quickstart", *args.preset] if args.command == "quickstart" else args.preset
             overrides = presets.collect_overrides([], args.overrides)
-            # A wrong preset, key or value, or another run at work here, stops here, in a line, before Prefect
-            # starts a server for the flow.
+            # A wrong preset, key or value, a folder outside git, or another run at work here stops here, in a line,
+            # before Prefect starts a server for the flow.
             presets.layered({**presets.collect_overrides(names, []), **overrides}, start_over=bool(names))
+            dag.require_git()
             runlock.hold()
             from pipeline import flow
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.config import ROOT
+from stages.io import PipelineError
 
 DVC_FILE = ROOT / "dvc.yaml"
 
@@ -35,3 +36,16 @@ def stage_order(root: Path = ROOT) -> list[str]:
     with Repo(str(root)) as repo:
         graph = repo.index.graph  # edges point from a stage to the stages it depends on
         return [stage.name for stage in reversed(list(nx.topological_sort(graph))) if isinstance(stage, PipelineStage)]
+
+
+def require_git(root: Path = ROOT) -> None:
+    """Stop, in a line, where `root` is not in a git repository (a source archive unpacked, say): DVC keeps
+    the record of every run in git (dvc.lock, experiments), and fails there with a traceback."""
+    from dvc.scm import SCM, SCMError
+
+    try:
+        SCM(str(root))
+    except SCMError:
+        raise PipelineError(f"{root} is not a git repository, and DVC records the pipeline's runs in git: clone the "
+                            "project with git, or make this folder a repository first (git init && git add -A && "
+                            "git commit -m 'the pipeline')") from None

@@ -1,6 +1,7 @@
 """What the Prefect flow shows of a stage while it works: each line as soon as it is printed, without
 DVC's advice, training progress as a progress artifact and the stage's MLflow run as a link; one run
 at a time in a checkout."""
+import shutil
 import subprocess
 import sys
 import time
@@ -151,3 +152,17 @@ def test_a_second_run_in_the_checkout_is_refused_before_it_touches_params_yaml(t
     proc = subprocess.run([sys.executable, "-m", "pipeline", "preset", "quickstart"], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=120)  # a killed holder leaves no lock behind
     assert proc.returncode == 0 and (repo / "params.yaml").read_bytes() != before, proc.stderr
+
+
+def test_a_run_outside_git_is_refused_in_a_line_before_it_starts(tmp_path_factory):
+    """A source archive unpacked rather than cloned: DVC, which records the runs in git, failed inside the
+    flow with a traceback; the command says so before Prefect starts, and what to do."""
+    repo = copy_project(tmp_path_factory)
+    shutil.rmtree(repo / ".git")
+    before = (repo / "params.yaml").read_bytes()
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "quickstart"], cwd=repo, env=env_of(repo),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"error: {repo} is not a git repository" in proc.stderr and "git init" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "prefect" not in proc.stderr.lower(), proc.stderr[-3000:]
+    assert (repo / "params.yaml").read_bytes() == before
