@@ -1,6 +1,6 @@
 """What the Prefect flow shows of a stage while it works: each line as soon as it is printed, without
 DVC's advice, training progress as a progress artifact and the stage's MLflow run as a link; one run
-at a time in a checkout."""
+at a time in a checkout; what cannot start (outside git; deploy or serve without a server) said in a line."""
 import shutil
 import subprocess
 import sys
