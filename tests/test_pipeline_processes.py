@@ -1,8 +1,8 @@
 """Training on several processes from the DAG itself (train.processes), in the copy the quickstart ran
 in (after test_pipeline and test_pipeline_experiments; its params.yaml is given back afterwards): `dvc
 repro` trains on two workers as torchrun does, bit for bit, and resumes on one with the same batches;
-the Prefect flow trains on two with one MLflow run and its progress artifact, and SIGTERM stops both
-workers after the same step, saved once."""
+a launcher's training is recorded by `dvc commit -f train`; the Prefect flow trains on two with one
+MLflow run and its progress artifact, and SIGTERM stops both workers after the same step, saved once."""
 import re
 import subprocess
 import sys
@@ -87,6 +87,24 @@ def test_dvc_repro_trains_on_two_workers_as_torchrun_does_and_resumes_on_one(own
     for name, weight in b["model"].items():  # fp32 sums in another order
         ours, theirs = without_key_biases(name, a["model"][name]), without_key_biases(name, weight)
         assert (ours - theirs).norm() <= 1e-3 * theirs.norm(), name
+
+
+def test_a_launchers_training_is_recorded_by_dvc_commit_as_scaling_md_says(own_params):
+    """docs/scaling.md: under a launcher of one's own (torchrun, srun) the train stage's command trains, and
+    `dvc commit -f train` records it: its parameters changed since DVC last ran it, which plain `dvc commit`
+    refuses. `dvc repro` then finds the stage up to date and goes on from its outputs."""
+    from pipeline import dag
+
+    repo, paths = own_params, dag.paths()
+    _set(repo, train__max_steps=12)  # in the module, the run above 3 steps further
+    output = _run(repo, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m",
+                  "pipeline.stage", "train", "--encoded-dir", paths["encoded"], "--vocab-dir", paths["vocab"],
+                  "--checkpoint-dir", paths["checkpoints"], "--plots-dir", paths["plots"],
+                  "--metrics", f"{paths['metrics']}/train.json")
+    assert "step 12/12" in output, output[-3000:]
+    _run(repo, sys.executable, "-m", "dvc", "commit", "-f", "train")
+    status = _run(repo, sys.executable, "-m", "dvc", "status", "train")
+    assert "up to date" in status, status
 
 
 def test_the_flow_trains_on_two_workers_and_sigterm_stops_both_after_one_step(own_params, prefect_api):
