@@ -30,14 +30,15 @@ def register_model(parent: Tracker, params: Params, test_bleu: float) -> str | N
     with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_id=parent.run_id):
         # decoding parameters and the input's normalisation as files the model carries (a model_config would
         # also become unprefixed run params)
-        files = {"decode": dataclasses.asdict(params.decode),
-                 "clean": {"lang": params.download.src_lang, **dataclasses.asdict(params.clean)}}
-        for kind, content in files.items():
-            (Path(tmp) / f"{kind}.json").write_text(json.dumps(content), encoding="utf-8")
+        files = {}
+        for kind, content in (("decode", dataclasses.asdict(params.decode)),
+                              ("clean", {"lang": params.download.src_lang, **dataclasses.asdict(params.clean)})):
+            files[kind] = str(Path(tmp) / f"{kind}.json")
+            Path(files[kind]).write_text(json.dumps(content), encoding="utf-8")
         info = mlflow.pyfunc.log_model(
             name="translator", python_model=str(ROOT / "pipeline/serving.py"),
             artifacts={"model": str(ROOT / paths["model"]), "vocab": str(ROOT / paths["vocab"]),
-                       **{kind: str(Path(tmp) / f"{kind}.json") for kind in files}},
+                       **files},
             code_paths=[str(ROOT / package) for package in ("stages", "translate", "transformer")],
             registered_model_name=name,
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "sentencepiece", "sacremoses", "safetensors",
