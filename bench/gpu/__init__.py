@@ -30,8 +30,8 @@ it measured) and prints (and writes beside it, as markdown) a readable table.
 Each part is a module of this package; each measurement runs in a process of its own (a fresh
 Accelerate state and a clean peak-memory count); one that runs out of memory is retried with twice
 the accumulation, one that runs past --part-timeout is reported so and the rest go on. It needs
-torch, accelerate, transformers, sentencepiece, sacremoses, sacrebleu, safetensors and ctranslate2,
-and never imports MLflow, Prefect or DVC (each part checks).
+torch, accelerate, transformers, sentencepiece, sacremoses, sacrebleu and safetensors (CTranslate2 is
+measured where it is installed), and never imports MLflow, Prefect or DVC (each part checks).
 """
 from __future__ import annotations
 
