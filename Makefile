@@ -4,7 +4,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: setup lock quickstart test-data test test-fast repro
+.PHONY: setup lock quickstart test-data test test-fast repro gpu-carry
 
 setup:  ## a virtual environment of requirements.lock's exact versions (torch first: its CPU build here, CUDA on GPU hosts),
         ## byte-compiled at install: where PYTHONDONTWRITEBYTECODE is set (as in CI here), a module left uncompiled is
@@ -51,3 +51,13 @@ test-fast:  ## everything but the tests marked slow (the whole flow, torchrun): 
 
 repro:  ## the pipeline with params.yaml as it stands, straight through DVC
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/dvc repro
+
+gpu-carry:  ## what bench/gpu/check.sh needs on a GPU machine beyond the checkout, to carry there: .whl, the clean stage's
+            ## sacremoses (requirements.lock's) as a wheel; .test-data, the text its parts read (../shared/data's, else fetched)
+	rm -rf .whl && $(PY) -m pip download -q --no-deps --only-binary=:all: -d .whl $$(grep -i '^sacremoses==' requirements.lock)
+	@if [ -d ../shared/data ]; then \
+	  rm -rf .test-data && mkdir -p .test-data/wmt14 && \
+	  cp -r ../shared/data/wmt14/train-sample ../shared/data/wmt14/newstest2013 ../shared/data/wmt14/newstest2014-full \
+	    .test-data/wmt14/ && cp -r ../shared/data/multi30k .test-data/; \
+	else $(PY) -m corpora.shared --out .test-data; fi
+	du -sh .whl .test-data

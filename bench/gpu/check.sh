@@ -20,9 +20,8 @@
 # Figures land in $OUT (or ./gpu-check) as JSON and markdown, and in bench/results/ for docs/performance.md.
 # The GPU machine has no MLflow, Prefect, DVC or CTranslate2, which these parts do without (CI's smoke of bench.gpu,
 # .ci/benches, runs with the four unimportable), and no sacremoses (the clean stage's): carry its wheel in
-# .whl (the device README says how; its needs are there); this script installs whatever .whl holds first. The
-# shared data travels as .test-data (a copy of ../shared/data's wmt14/{train-sample,newstest2013,newstest2014-full}
-# and multi30k).
+# .whl (its needs are there); this script installs whatever .whl holds first. The shared data travels as .test-data
+# (../shared/data's wmt14/{train-sample,newstest2013,newstest2014-full} and multi30k). `make gpu-carry` makes both.
 set -euo pipefail
 what=${1:?speed, capture, quality or multi30k}
 out=${OUT:-gpu-check}
