@@ -54,7 +54,8 @@ repro:  ## the pipeline with params.yaml as it stands, straight through DVC
 
 gpu-carry:  ## what bench/gpu/check.sh needs on a GPU machine beyond the checkout, to carry there: .whl, the clean stage's
             ## sacremoses (requirements.lock's) as a wheel; .test-data, the text its parts read (../shared/data's, else fetched)
-	rm -rf .whl && $(PY) -m pip download -q --no-deps --only-binary=:all: -d .whl $$(grep -i '^sacremoses==' requirements.lock)
+	@pin=$$(grep -i '^sacremoses==' requirements.lock) || { echo "gpu-carry: requirements.lock pins no sacremoses" >&2; exit 1; }; \
+	rm -rf .whl && $(PY) -m pip download -q --no-deps --only-binary=:all: -d .whl "$$pin"
 	@if [ -d ../shared/data ]; then \
 	  rm -rf .test-data && mkdir -p .test-data/wmt14 && \
 	  cp -r ../shared/data/wmt14/train-sample ../shared/data/wmt14/newstest2013 ../shared/data/wmt14/newstest2014-full \
