@@ -11,7 +11,7 @@ import torch
 from sentencepiece import SentencePieceProcessor
 
 from stages import vocab
-from stages.devices import default_device
+from stages.devices import default_device, out_of_memory_stops
 from stages.io import InputPath, OutputPath, PipelineError, atomic_write, read_lines, read_manifest, require_dir, \
     split_path
 from stages.model_files import ModelMeta, load_weights, read_model
@@ -71,8 +71,12 @@ def translate(translator: Translator, sp, lines: list[str], params: DecodeParams
     if cut:
         print(f"warning: {cut} input lines were longer than the model's {limit} positions and were "
               f"cut to that many tokens before translating", file=sys.stderr)
+    fewer = (f"a batch holds up to decode.batch_tokens {params.batch_tokens} source tokens, each sentence searched "
+             f"with {params.beam_size} beams; -S decode.batch_tokens={max(params.batch_tokens // 2, 1)} takes half as "
+             f"many at a time")
     with Bar(total=len(lines), desc=desc, unit=" sentences", mininterval=2, file=sys.stderr,
-             disable=desc is None) as bar:
+             disable=desc is None) as bar, \
+            out_of_memory_stops(torch.device(translator.device), lambda: desc or "translating", lambda: fewer):
         found = translator.translate_batch(
             encoded, beam_size=params.beam_size, length_penalty=params.length_penalty,
             length_penalty_formula=params.length_penalty_formula, stop=params.stop,

@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import functools
 import os
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -33,6 +34,26 @@ def processes(setting: int | str) -> int:
         raise PipelineError(f"train.processes is {setting}, but {gpus} GPU{'s' if gpus > 1 else ''} can be seen "
                             f"({names}): set it to at most {gpus}, or auto")
     return setting
+
+
+def memory_held(device: torch.device) -> str:
+    """The GPU, its memory and the most of it this process held, as a clause of an error."""
+    gib = 2**30
+    total = torch.cuda.get_device_properties(device).total_memory
+    return (f"{torch.cuda.get_device_name(device)}: {total / gib:.1f} GiB, this process held at most "
+            f"{torch.cuda.max_memory_reserved(device) / gib:.1f}")
+
+
+@contextlib.contextmanager
+def out_of_memory_stops(device: torch.device, what: Callable[[], str], fix: Callable[[], str]) -> Iterator[None]:
+    """Within it, the GPU running out of memory stops the stage with one line: `what()` ran out, the
+    device's memory and this process's peak, and `fix()`, the setting that asks for less at a time. torch's
+    own error comes from deep in the step and names no setting."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        held = f" ({memory_held(device)})" if device.type == "cuda" else ""
+        raise PipelineError(f"{what()} ran out of GPU memory{held}: {fix()}") from None
 
 
 def attention_kernels(device: torch.device, precision: str = "no") -> contextlib.AbstractContextManager:

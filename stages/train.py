@@ -28,7 +28,7 @@ from stages import vocab
 from stages.batching import token_batches
 from stages.checkpoint import Checkpointer, Processes, Schedule, Stateful, recorded_split, setup_dir
 from stages.devices import attention_kernels, default_device, keep_freed_host_memory, keep_generated_kernels, \
-    mixed_precision, peak_flops, processes
+    mixed_precision, out_of_memory_stops, peak_flops, processes
 from stages.encode import ParallelIds, check_encoded_with
 from stages.io import InputPath, OutputPath, PipelineError, Stopped, file_digest, require_dir
 from stages.model_files import ModelMeta, list_checkpoints, load_weights, read_model
@@ -392,7 +392,8 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
               f"per process; training pairs dropped: {trainer.dropped['over_positions']} longer than "
               f"model.max_positions, {trainer.dropped['over_budget']} alone over a micro-batch's budget; "
               f"the step is {trainer.forward_loss if isinstance(trainer.forward_loss, Compiled) else 'eager'}")
-    with StopRequest() as request:
+    with StopRequest() as request, out_of_memory_stops(acc.device, lambda: f"step {trainer.progress.step + 1}",
+                                                       lambda: _smaller_micro_batches(trainer, checkpoints)):
         try:
             _loop(trainer, checkpoints, log, request)
         finally:
@@ -405,6 +406,16 @@ def run(model_config: TransformerConfig, params: TrainParams, *, encoded_dir: In
     return {**summary(trainer.progress, trainer.n_parameters, acc.num_processes, trainer.peak),
             **{f"dropped_{k}": v for k, v in trainer.dropped.items()},
             **({"compile_seconds": trainer.compiling} if trainer.compiling else {})}
+
+
+def _smaller_micro_batches(trainer: Trainer, checkpoints: Checkpointer) -> str:
+    """What asks a step for less memory at a time: more micro-batches, of the same tokens a step."""
+    split = trainer.acc.num_processes * trainer.grad_accum
+    fix = (f"each process takes {trainer.micro_tokens} target tokens at a time, a step's {trainer.params.batch_tokens} "
+           f"in {split} micro-batch{'es' if split > 1 else ''}; -S train.micro_batches={2 * split} takes half as many "
+           f"at a time, the same tokens a step")
+    return fix + (f" (this run's checkpoints keep its {split}: move {checkpoints.folder} aside to start a run with "
+                  f"{2 * split})" if checkpoints.has_checkpoint() else "")
 
 
 def _loop(trainer: Trainer, checkpoints: Checkpointer, log: MetricsLogger, request: StopRequest) -> None:

@@ -60,6 +60,21 @@ def test_decode_batch_size_does_not_change_translations(averaged, vocab_dir, cle
     assert one == many
 
 
+def test_decoding_out_of_gpu_memory_stops_naming_the_setting_that_takes_less_at_a_time(averaged, vocab_dir,
+                                                                                      monkeypatch):
+    model, sp = decode.load_translator(averaged[0], torch.device("cpu")), vocab.load(vocab_dir)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+    monkeypatch.setattr(model, "translate_batch", out_of_memory)
+    params = decode.DecodeParams(beam_size=4, length_penalty=0.6, length_penalty_formula="gnmt", stop="finished",
+                                 max_length_extra=50, batch_tokens=8000)
+    with pytest.raises(PipelineError, match=r"^decode test ran out of GPU memory: a batch holds up to "
+                                            r"decode.batch_tokens 8000 source tokens, each sentence searched with 4 "
+                                            r"beams; -S decode.batch_tokens=4000 takes half as many at a time$"):
+        decode.translate(model, sp, ["A line."], params, desc="decode test")
+
+
 def test_int8_is_refused_off_the_cpu(averaged):
     with pytest.raises(PipelineError, match="int8 runs on CPUs only"):
         decode.load_translator(averaged[0], torch.device("meta"), "int8")

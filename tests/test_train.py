@@ -463,6 +463,42 @@ def test_a_run_saves_no_checkpoint_past_a_non_finite_loss(encoded, vocab_dir, tm
     assert list_checkpoints(current_dir(tmp_path / "c")) == []
 
 
+def test_a_step_out_of_gpu_memory_stops_naming_the_setting_that_takes_less_at_a_time(encoded, vocab_dir, tmp_path,
+                                                                                    monkeypatch):
+    """torch's error comes from deep in the step and names no setting: the stage says which step ran out and
+    how to ask for less at a time, and keeps the checkpoints saved before."""
+    calls = iter(range(10**6))
+    loss = train.label_smoothed_nll_loss
+
+    def patched(*args):
+        if next(calls) == 2:  # step 3's one micro-batch
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return loss(*args)
+    monkeypatch.setattr(train, "label_smoothed_nll_loss", patched)
+    with pytest.raises(PipelineError) as stopped:
+        train.run(TINY, train_params(max_steps=4), encoded_dir=encoded[0], vocab_dir=vocab_dir,
+                  checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "plots")
+    folder = current_dir(tmp_path / "c")
+    assert str(stopped.value) == (
+        f"step 3 ran out of GPU memory: each process takes 1500 target tokens at a time, a step's 1500 in 1 "
+        f"micro-batch; -S train.micro_batches=2 takes half as many at a time, the same tokens a step (this run's "
+        f"checkpoints keep its 1: move {folder} aside to start a run with 2)")
+    assert [step for step, _ in list_checkpoints(folder)] == [2]
+
+
+def test_out_of_gpu_memory_is_said_with_the_devices_memory_and_other_errors_pass(monkeypatch):
+    from stages import devices
+
+    monkeypatch.setattr(devices, "memory_held", lambda d: f"{d.type}: 79.1 GiB, this process held at most 78.0")
+    with pytest.raises(PipelineError, match=r"^work ran out of GPU memory \(cuda: 79.1 GiB, this process held at most "
+                                            r"78.0\): less at a time$"):
+        with devices.out_of_memory_stops(torch.device("cuda"), lambda: "work", lambda: "less at a time"):
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+    with pytest.raises(RuntimeError, match="^not memory$"):
+        with devices.out_of_memory_stops(torch.device("cuda"), lambda: "work", lambda: "less at a time"):
+            raise RuntimeError("not memory")
+
+
 def test_a_checkpoint_without_a_part_of_the_state_names_the_parts(encoded, vocab_dir, tmp_path):
     path = train.checkpointer(_trainer(encoded[0], vocab_dir), tmp_path).save(0)
     checkpoint = read_checkpoint(path)
