@@ -4,6 +4,7 @@ timing, curves, summary)."""
 import dataclasses
 import json
 import math
+import re
 import shutil
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from conftest import TINY, another_vocabulary, freed_bytes_kept, separate_projections, train_command, \
     train_params, train_params_file
-from stages import train
+from stages import devices, train
 from stages.batching import BatchSampler
 from stages.devices import default_device
 from stages.io import MANIFEST, PipelineError
@@ -276,8 +277,6 @@ def test_a_trainer_leaves_the_process_as_it_found_it(encoded, vocab_dir):
 
 
 def test_auto_precision_is_bf16_on_gpus_that_have_it_and_on_cpus_with_fast_bf16_products(monkeypatch):
-    from stages import devices
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for amx, avx512_bf16, expected in ((True, False, "bf16"), (False, True, "bf16"), (False, False, "no")):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
@@ -475,20 +474,22 @@ def test_a_step_out_of_gpu_memory_stops_naming_the_setting_that_takes_less_at_a_
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
         return loss(*args)
     monkeypatch.setattr(train, "label_smoothed_nll_loss", patched)
+    monkeypatch.setattr(devices, "memory_held", lambda device: "its memory")  # said on a GPU (TEST_DEVICE=cuda)
     with pytest.raises(PipelineError) as stopped:
         train.run(TINY, train_params(max_steps=4), encoded_dir=encoded[0], vocab_dir=vocab_dir,
                   checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "plots")
-    folder = current_dir(tmp_path / "c")
+    folder, held = current_dir(tmp_path / "c"), " (its memory)" if default_device().type == "cuda" else ""
     assert str(stopped.value) == (
-        f"step 3 ran out of GPU memory: each process takes 1500 target tokens at a time, a step's 1500 in 1 "
+        f"step 3 ran out of GPU memory{held}: each process takes 1500 target tokens at a time, a step's 1500 in 1 "
         f"micro-batch; -S train.micro_batches=2 takes half as many at a time, the same tokens a step (this run's "
         f"checkpoints keep its 1: move {folder} aside to start a run with 2)")
     assert [step for step, _ in list_checkpoints(folder)] == [2]
 
 
 def test_out_of_gpu_memory_is_said_with_the_devices_memory_and_other_errors_pass(monkeypatch):
-    from stages import devices
-
+    if torch.cuda.is_available():  # bench/gpu/check.sh speed runs this test on a GPU
+        held = devices.memory_held(torch.device("cuda"))
+        assert re.fullmatch(r".+: \d+\.\d GiB, this process held at most \d+\.\d", held), held
     monkeypatch.setattr(devices, "memory_held", lambda d: f"{d.type}: 79.1 GiB, this process held at most 78.0")
     with pytest.raises(PipelineError, match=r"^work ran out of GPU memory \(cuda: 79.1 GiB, this process held at most "
                                             r"78.0\): less at a time$"):
@@ -509,8 +510,6 @@ def test_a_checkpoint_without_a_part_of_the_state_names_the_parts(encoded, vocab
 
 
 def test_the_processes_and_the_step_they_share_are_checked_before_any_work(monkeypatch):
-    from stages import devices
-
     assert devices.processes("auto") == 1 and devices.processes(3) == 3  # no GPU: CPU processes (gloo), any number
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -5,8 +5,8 @@
 # step did not finish within 120 s (compiling), so speed times it after the steps that compile little or
 # nothing, with what is left of its 360 s up to 240.
 #
-#   bash bench/gpu/check.sh speed      # the CUDA test of the captured step's gradients against eager's; base:
-#                                      # the step eager, MarianMT of the same shape, the step with its layers
+#   bash bench/gpu/check.sh speed      # the CUDA tests of the captured step's gradients against eager's and of
+#                                      # the out-of-memory line's GPU figures; base: the step eager, MarianMT of the same shape, the step with its layers
 #                                      # compiled, by default (compiled whole), and a profile of the default
 #   bash bench/gpu/check.sh capture    # base compiled on bucket shapes and captured (CUDA graphs, a graph per
 #                                      # shape); then big, by default and eager, while its share lasts
@@ -36,7 +36,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
 case $what in
   speed)
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_train.py -k captured_steps 2>&1 \
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_train.py -k "captured_steps or out_of_gpu_memory" 2>&1 \
       | tee "$out/captured-test.log" || true
     python3 -m bench.gpu --models base --parts throughput,profile --systems eager,marian,layers,ours \
       --part-timeout 240 --budget 360 --out "$out/speed-base.json" || true ;;
