@@ -6,8 +6,9 @@
 # nothing, with what is left of its 360 s up to 240.
 #
 #   bash bench/gpu/check.sh speed      # the CUDA tests of the captured step's gradients against eager's and of
-#                                      # the out-of-memory line's GPU figures; base: the step eager, MarianMT of the same shape, the step with its layers
-#                                      # compiled, by default (compiled whole), and a profile of the default
+#                                      # the out-of-memory line's GPU figures; base: the step eager, MarianMT of
+#                                      # the same shape, the step with its layers compiled, by default (compiled
+#                                      # whole), and a profile of the default
 #   bash bench/gpu/check.sh capture    # base compiled on bucket shapes and captured (CUDA graphs, a graph per
 #                                      # shape); then big, by default and eager, while its share lasts
 #   bash bench/gpu/check.sh quality    # fp32 / bf16 / captured bf16 loss curves on the same batches; the Multi30k
