@@ -458,7 +458,9 @@ def _loop(trainer: Trainer, checkpoints: Checkpointer, log: MetricsLogger, reque
                 bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}",
                                 tok_s=f"{row['tgt_tokens_per_sec']:.0f}")
             if (step % params.validate_every == 0 or step == params.max_steps) and not out.stop:
-                valid = trainer.validate()
+                with out_of_memory_stops(acc.device, lambda: f"the validation after step {step}",
+                                         lambda: _smaller_micro_batches(trainer, checkpoints)):
+                    valid = trainer.validate()  # dev batches of the training's micro-batch budget
                 progress.valid_history.append({"step": step, **valid})
                 log(valid, step)
                 report_compiling(step)

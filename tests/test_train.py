@@ -462,15 +462,16 @@ def test_a_run_saves_no_checkpoint_past_a_non_finite_loss(encoded, vocab_dir, tm
     assert list_checkpoints(current_dir(tmp_path / "c")) == []
 
 
+@pytest.mark.parametrize("failing_call, what", [(2, "step 3"), (3, "the validation after step 3")])
 def test_a_step_out_of_gpu_memory_stops_naming_the_setting_that_takes_less_at_a_time(encoded, vocab_dir, tmp_path,
-                                                                                    monkeypatch):
-    """torch's error comes from deep in the step and names no setting: the stage says which step ran out and
-    how to ask for less at a time, and keeps the checkpoints saved before."""
-    calls = iter(range(10**6))
+                                                                                    monkeypatch, failing_call, what):
+    """torch's error comes from deep in the step and names no setting: the stage says which step (or which
+    validation, after a step) ran out and how to ask for less at a time, and keeps the checkpoints saved before."""
+    calls = iter(range(10**6))  # each step has one micro-batch; after step 3, validation's dev batches
     loss = train.label_smoothed_nll_loss
 
     def patched(*args):
-        if next(calls) == 2:  # step 3's one micro-batch
+        if next(calls) == failing_call:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
         return loss(*args)
     monkeypatch.setattr(train, "label_smoothed_nll_loss", patched)
@@ -480,7 +481,7 @@ def test_a_step_out_of_gpu_memory_stops_naming_the_setting_that_takes_less_at_a_
                   checkpoint_dir=tmp_path / "c", plots_dir=tmp_path / "plots")
     folder, held = current_dir(tmp_path / "c"), " (its memory)" if default_device().type == "cuda" else ""
     assert str(stopped.value) == (
-        f"step 3 ran out of GPU memory{held}: each process takes 1500 target tokens at a time, a step's 1500 in 1 "
+        f"{what} ran out of GPU memory{held}: each process takes 1500 target tokens at a time, a step's 1500 in 1 "
         f"micro-batch; -S train.micro_batches=2 takes half as many at a time, the same tokens a step (this run's "
         f"checkpoints keep its 1: move {folder} aside to start a run with 2)")
     assert [step for step, _ in list_checkpoints(folder)] == [2]
