@@ -1,7 +1,9 @@
 """Padding and batch fill of the token-budget sampler against random batching, on the same real data,
-and what padding to a few bucket shapes (train.shapes buckets, for CUDA graphs) costs on top.
+and what padding to a few bucket shapes (train.shapes buckets, for CUDA graphs) costs on top; then the
+time the sampler takes to build an epoch's batches at WMT14 en-de's scale against the same cut made
+pair by pair, the batches checked identical.
 
-    python -m bench.batching [--budgets 3125 2000 1000] [--vocab 8000]
+    python -m bench.batching [--budgets 3125 2000 1000] [--vocab 8000] [--scale 4500000]
 
 Encodes the shared WMT14 training samples (Europarl and News Commentary, 40k pairs) with a sentencepiece
 BPE model learned on the spot, then builds batches both ways under the same budget (padded tokens per
@@ -9,21 +11,26 @@ side per batch) and prints, for each, the padding fraction of source and target,
 (real tokens of the side that binds the budget, over the budget) and the number of batch shapes.
 The default budgets: the paper's 25k tokens per step split over its 8 GPUs (3125), and two smaller
 ones, closer to the paper's batch-to-corpus ratio on this much smaller corpus.
+
+At scale, the corpus is `--scale` pairs (WMT14 en-de's 4.5M by default) whose lengths are drawn, with
+replacement, from the sample's encoded pairs; each train stage start builds the batches of the whole
+corpus, on every process, before its first step, with the GPUs idle. The budgets there: the paper's
+25k tokens a step on one GPU and over 8, with the bucket shapes CUDA graphs replay.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
 
-from stages.batching import bucket_shape, token_batches
+from stages.batching import BIN_WIDTHS, bucket_shape, bucket_width, token_batches
 from bench.common import SHARED
 from bench.results import record
-
 
 
 def random_batches(src: np.ndarray, tgt: np.ndarray, budget: int, seed: int) -> list[np.ndarray]:
@@ -37,6 +44,66 @@ def random_batches(src: np.ndarray, tgt: np.ndarray, budget: int, seed: int) -> 
         current.append(i)
         width = max(width, longest[i])
     return batches + ([np.array(current)] if current else [])
+
+
+def pairwise_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int, seed: int | None,
+                     keep: np.ndarray | None = None, bucketed: bool = False) -> tuple[list[np.ndarray], int]:
+    """The reference: what token_batches documents, its cut made pair by pair as the sampler made it
+    before (a three-key sort, then a loop that closes a batch at the pair that breaks the budget, and
+    the padding counted batch by batch), so that the tests hold token_batches' array operations to it
+    and this bench times both."""
+    src_len, tgt_len = np.asarray(src_lengths, dtype=np.int64) + 1, np.asarray(tgt_lengths, dtype=np.int64) + 1
+    order = np.arange(len(src_len)) if seed is None else np.random.default_rng(seed).permutation(len(src_len))
+    longest = np.maximum(src_len, tgt_len)
+    if bucketed:
+        longest = np.array([bucket_width(int(n)) for n in longest], dtype=np.int64)
+    if keep is not None:
+        order = order[np.asarray(keep)[order]]
+    kept = order[longest[order] <= max_tokens]
+    best: tuple[int, list[np.ndarray]] | None = None
+    for width in BIN_WIDTHS:
+        bins = tgt_len[kept] // width
+        ordered = kept[np.lexsort((tgt_len[kept], np.where(bins % 2 == 0, src_len[kept], -src_len[kept]), bins))]
+        batches, start, widest = [], 0, 0
+        for i, pair in enumerate(ordered):
+            if max(widest, longest[pair]) * (i - start + 1) > max_tokens:
+                batches.append(ordered[start:i])
+                start, widest = i, 0
+            widest = max(widest, longest[pair])
+        batches += [ordered[start:]] if start < len(ordered) else []
+        padded = 0
+        for b in batches:
+            if bucketed:
+                rows, side = bucket_shape(int(max(src_len[b].max(), tgt_len[b].max())), max_tokens)
+                slots = 2 * rows * side
+            else:
+                slots = len(b) * int(src_len[b].max() + tgt_len[b].max())
+            padded += slots - int(src_len[b].sum() + tgt_len[b].sum())
+        if best is None or padded < best[0]:
+            best = padded, batches
+    return (best[1] if best else []), len(order) - len(kept)
+
+
+def at_scale(src: np.ndarray, tgt: np.ndarray, pairs: int, budgets: list[tuple[int, bool]]) -> list[dict[str, object]]:
+    """Seconds to build the batches of `pairs` pairs drawn from (src, tgt): ours against pairwise_batches,
+    for each (budget, bucketed), the batches checked identical."""
+    drawn = np.random.default_rng(0).integers(0, len(src), pairs)
+    s, t = src[drawn], tgt[drawn]
+    rows = []
+    for budget, bucketed in budgets:
+        times = {}
+        for name, build in (("ours (array operations)", token_batches), ("pair by pair", pairwise_batches)):
+            start = time.perf_counter()
+            times[name] = (build(s, t, budget, 1, None, bucketed)[0], time.perf_counter() - start)
+        (ours, ours_s), (peer, peer_s) = times.values()
+        if len(ours) != len(peer) or not all(np.array_equal(a, b) for a, b in zip(ours, peer)):
+            raise SystemExit(f"budget {budget}: the batches differ from the pair-by-pair cut")
+        shapes = "bucket shapes" if bucketed else "exact shapes"
+        print(f"{pairs:,} pairs, budget {budget}, {shapes}: {len(ours):,} batches, ours {ours_s:.1f} s, "
+              f"pair by pair {peer_s:.1f} s ({peer_s / ours_s:.1f}x)")
+        rows += [{"budget": budget, "shapes": shapes, "batching": name, "batches": len(ours), "seconds": round(took, 2)}
+                 for name, took in ((n, t) for n, (_, t) in times.items())]
+    return rows
 
 
 def measure(batches: list[np.ndarray], src: np.ndarray, tgt: np.ndarray, budget: int,
@@ -62,6 +129,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", type=int, nargs="+", default=[25000 // 8, 2000, 1000])
     parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--scale", type=int, default=4_500_000,
+                        help="pairs to time the batching of, drawn from the sample's lengths (0: none)")
     args = parser.parse_args()
     sample = SHARED / "wmt14/train-sample"
     stems = ["hf-europarl-20k/train", "uedin-toy/europarl-v7.first10k", "uedin-toy/news-commentary.first10k"]
@@ -99,6 +168,13 @@ def main() -> None:
            "; ".join(f"budget {r['budget']}: ours {r['target padding']} target padding ({b['target padding']} "
                      f"in {b['shapes']} bucket shapes), random {q['target padding']}"
                      for r, b, q in zip(rows[::3], rows[1::3], rows[2::3])))
+    if args.scale:
+        timed = at_scale(src, tgt, args.scale, [(25000, False), (25000 // 8, False), (25000 // 8, True)])
+        record("batching", f"scale {args.scale}",
+               f"Building an epoch's batches of {args.scale:,} pairs (lengths drawn from the WMT14 samples'), "
+               f"{args.vocab}-piece BPE", timed,
+               "; ".join(f"budget {o['budget']}, {o['shapes']}: ours {o['seconds']} s, pair by pair {p['seconds']} s "
+                         f"({p['seconds'] / o['seconds']:.1f}x)" for o, p in zip(timed[::2], timed[1::2])))
 
 if __name__ == "__main__":
     main()

@@ -39,6 +39,9 @@ def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: 
     tokens (bucket_shape: its longest side rounded up to one of a few widths, times the rows the
     budget gives that width), so it fits the shape it is padded to. Returns the batches and the number
     of (kept) pairs dropped because alone they exceed the budget.
+
+    Every stage start builds them for the whole corpus, so each step is array operations, none a pair:
+    WMT14 en-de's 4.5M pairs in seconds (`python -m bench.batching`, against the same cut pair by pair).
     """
     src_len = np.asarray(src_lengths, dtype=np.int64) + 1
     tgt_len = np.asarray(tgt_lengths, dtype=np.int64) + 1
@@ -54,44 +57,55 @@ def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: 
     fits = longest[order] <= max_tokens
     dropped = int((~fits).sum())
     order = order[fits]
-    candidates = [_fill(_snake(order, src_len, tgt_len, width), src_len, tgt_len, longest, max_tokens)
-                  for width in BIN_WIDTHS]
-    return min(candidates, key=lambda batches: _padded(batches, src_len, tgt_len, max_tokens if bucketed else None)), \
-        dropped
+    if not len(order):
+        return [], dropped
+    src, tgt, wide = src_len[order], tgt_len[order], longest[order]  # the kept pairs', in `order`
+    best: tuple[int, np.ndarray, np.ndarray] | None = None
+    for width in BIN_WIDTHS:
+        snake = _snake(src, tgt, width)
+        by_snake = wide[snake]
+        starts = _cut(by_snake, max_tokens)
+        slots = _slots(src[snake], tgt[snake], by_snake, starts, max_tokens if bucketed else None)
+        if best is None or slots < best[0]:  # the same pairs in every cut: fewest slots, least padding
+            best = slots, snake, starts
+    _, snake, starts = best
+    return np.split(order[snake], starts[1:]), dropped
 
 
-def _snake(order: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, width: int) -> np.ndarray:
-    bins = tgt_len[order] // width
-    snake = np.where(bins % 2 == 0, src_len[order], -src_len[order])
-    return order[np.lexsort((tgt_len[order], snake, bins))]
+def _snake(src: np.ndarray, tgt: np.ndarray, width: int) -> np.ndarray:
+    """The permutation that sorts pairs by target-length bin, then source length (ascending in even
+    bins, descending in odd ones), then target length, ties kept in their order: one stable sort of
+    the three as one key."""
+    bins = tgt // width
+    longest_src, span_tgt = int(src.max()), int(tgt.max()) + 1
+    snake = np.where(bins % 2 == 0, src, -src) + longest_src  # 0 .. 2 x longest_src
+    return np.argsort((bins * (2 * longest_src + 1) + snake) * span_tgt + tgt, kind="stable")
 
 
-def _fill(order: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, longest: np.ndarray,
-          max_tokens: int) -> list[np.ndarray]:
-    """Cut the ordered pairs into batches greedily: a batch takes pairs while (pairs x the longest
-    side of any of them) stays within the budget."""
-    batches: list[np.ndarray] = []
-    start, width = 0, 0
-    for i, idx in enumerate(order):
-        width_if_added = max(width, longest[idx])
-        if width_if_added * (i - start + 1) > max_tokens:
-            batches.append(order[start:i])
-            start, width_if_added = i, longest[idx]
-        width = width_if_added
-    if start < len(order):
-        batches.append(order[start:])
-    return batches
+def _cut(longest: np.ndarray, max_tokens: int) -> np.ndarray:
+    """Where each batch starts when pairs, in order, are cut greedily: a batch takes pairs while (pairs
+    x the longest side of any of them) stays within the budget. `longest`: each pair's, in that order,
+    each within the budget. A batch's cost only grows as it takes pairs, and it takes at most the budget
+    over its first pair's longest, so each batch is one search in that window's running costs."""
+    starts, start = [], 0
+    while start < len(longest):
+        window = longest[start : start + max_tokens // int(longest[start])]
+        cost = np.maximum.accumulate(window) * np.arange(1, len(window) + 1)
+        starts.append(start)
+        start += int(np.searchsorted(cost, max_tokens, side="right"))
+    return np.array(starts, dtype=np.int64)
 
 
-def _padded(batches: list[np.ndarray], src_len: np.ndarray, tgt_len: np.ndarray, bucket_budget: int | None) -> int:
-    """Padding tokens, both sides together: each side padded to its longest, or, with a bucket budget,
-    both to the batch's bucket_shape."""
-    def slots(b: np.ndarray) -> int:
-        if bucket_budget is None:
-            return len(b) * int(src_len[b].max() + tgt_len[b].max())
-        rows, width = bucket_shape(int(max(src_len[b].max(), tgt_len[b].max())), bucket_budget)
-        return 2 * rows * width
-    return sum(slots(b) - int(src_len[b].sum() + tgt_len[b].sum()) for b in batches)
+def _slots(src: np.ndarray, tgt: np.ndarray, longest: np.ndarray, starts: np.ndarray,
+           bucket_budget: int | None) -> int:
+    """Padded token slots, both sides together, of pairs in order cut at `starts`: each side padded to
+    its longest, or, with a bucket budget, both to the batch's bucket_shape (its width the largest of
+    its pairs' `longest`, which are bucket widths then, each within the budget)."""
+    if bucket_budget is None:
+        pairs = np.diff(starts, append=len(src))
+        return int((pairs * (np.maximum.reduceat(src, starts) + np.maximum.reduceat(tgt, starts))).sum())
+    width = np.maximum.reduceat(longest, starts)
+    return int((2 * (bucket_budget // width) * width).sum())
 
 
 def divisible(batches: list[np.ndarray], parts: int) -> list[np.ndarray]:

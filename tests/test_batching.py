@@ -165,6 +165,24 @@ def test_bucketed_batches_fit_their_shape_and_cover_every_pair(budget):
     assert len(shapes) <= 16
 
 
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_batches_are_the_pair_by_pair_cut(bucketed):
+    """token_batches cuts with array operations what bench.batching's reference cuts pair by pair: the
+    same batches, in the same order, for any lengths, budget, seed and kept pairs."""
+    from bench.batching import pairwise_batches
+    draw = np.random.default_rng(7)
+    for trial in range(60):
+        n = int(draw.integers(0, 300))
+        src = draw.integers(0, int(draw.integers(1, 300)), n)
+        tgt = np.clip(src + draw.integers(-20, 20, n), 0, None)
+        budget, seed = int(draw.integers(1, 3000)), (None if trial % 3 == 0 else trial)
+        keep = None if trial % 2 else draw.random(n) < 0.8
+        ours, dropped = token_batches(src, tgt, budget, seed, keep, bucketed)
+        reference, dropped_there = pairwise_batches(src, tgt, budget, seed, keep, bucketed)
+        assert dropped == dropped_there, trial
+        assert [b.tolist() for b in ours] == [b.tolist() for b in reference], trial
+
+
 def test_every_process_knows_every_process_batches_and_a_copy_moves_alone():
     batches, _ = token_batches(SRC, TGT, 500, seed=1)
     ranks = [BatchSampler(batches, seed=3, num_processes=3, rank=r) for r in range(3)]
