@@ -84,12 +84,13 @@ def pairwise_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_token
     return (best[1] if best else []), len(order) - len(kept)
 
 
-def at_scale(src: np.ndarray, tgt: np.ndarray, pairs: int, budgets: list[tuple[int, bool]]) -> list[dict[str, object]]:
+def at_scale(src: np.ndarray, tgt: np.ndarray, pairs: int,
+             budgets: list[tuple[int, bool]]) -> tuple[list[dict[str, object]], str]:
     """Seconds to build the batches of `pairs` pairs drawn from (src, tgt): ours against pairwise_batches,
-    for each (budget, bucketed), the batches checked identical."""
+    for each (budget, bucketed), the batches checked identical. Returns the rows and their summary."""
     drawn = np.random.default_rng(0).integers(0, len(src), pairs)
     s, t = src[drawn], tgt[drawn]
-    rows = []
+    rows, summary = [], []
     for budget, bucketed in budgets:
         times = {}
         for name, build in (("ours (array operations)", token_batches), ("pair by pair", pairwise_batches)):
@@ -99,11 +100,12 @@ def at_scale(src: np.ndarray, tgt: np.ndarray, pairs: int, budgets: list[tuple[i
         if len(ours) != len(peer) or not all(np.array_equal(a, b) for a, b in zip(ours, peer)):
             raise SystemExit(f"budget {budget}: the batches differ from the pair-by-pair cut")
         shapes = "bucket shapes" if bucketed else "exact shapes"
-        print(f"{pairs:,} pairs, budget {budget}, {shapes}: {len(ours):,} batches, ours {ours_s:.1f} s, "
-              f"pair by pair {peer_s:.1f} s ({peer_s / ours_s:.1f}x)")
+        summary.append(f"budget {budget}, {shapes}: ours {ours_s:.2f} s, pair by pair {peer_s:.2f} s "
+                       f"({peer_s / ours_s:.1f}x)")
+        print(f"{pairs:,} pairs, {summary[-1]}; {len(ours):,} batches")
         rows += [{"budget": budget, "shapes": shapes, "batching": name, "batches": len(ours), "seconds": round(took, 2)}
-                 for name, took in ((n, t) for n, (_, t) in times.items())]
-    return rows
+                 for name, (_, took) in times.items()]
+    return rows, "; ".join(summary)
 
 
 def measure(batches: list[np.ndarray], src: np.ndarray, tgt: np.ndarray, budget: int,
@@ -169,12 +171,10 @@ def main() -> None:
                      f"in {b['shapes']} bucket shapes), random {q['target padding']}"
                      for r, b, q in zip(rows[::3], rows[1::3], rows[2::3])))
     if args.scale:
-        timed = at_scale(src, tgt, args.scale, [(25000, False), (25000 // 8, False), (25000 // 8, True)])
+        timed, summary = at_scale(src, tgt, args.scale, [(25000, False), (25000 // 8, False), (25000 // 8, True)])
         record("batching", f"scale {args.scale}",
                f"Building an epoch's batches of {args.scale:,} pairs (lengths drawn from the WMT14 samples'), "
-               f"{args.vocab}-piece BPE", timed,
-               "; ".join(f"budget {o['budget']}, {o['shapes']}: ours {o['seconds']} s, pair by pair {p['seconds']} s "
-                         f"({p['seconds'] / o['seconds']:.1f}x)" for o, p in zip(timed[::2], timed[1::2])))
+               f"{args.vocab}-piece BPE", timed, summary)
 
 if __name__ == "__main__":
     main()
