@@ -5,30 +5,37 @@ Checkpoints are spaced in steps (train.checkpoint_every_steps, the paper's 10 mi
 1,400 base or 600 big steps), whatever the hardware; snapshots written on a clock are not averaged."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
 import torch
 
 from stages.io import InputPath, OutputPath, PipelineError, require_dir
 from stages.params import AverageParams
-from stages.model_files import Weights, current_dir, list_checkpoints, read_checkpoint, write_model
+from stages.model_files import ModelMeta, Weights, current_dir, list_checkpoints, read_checkpoint, write_model
 
 
-def average_state_dicts(states: list[Weights], names: list[str]) -> Weights:
-    """Element-wise mean, accumulated in fp64 whatever the stored precision (so N copies of one
-    checkpoint average to it exactly); keys and shapes must agree."""
-    reference = states[0]
-    total = {k: v.detach().to(torch.float64).clone() for k, v in reference.items()}
-    for state, name in zip(states[1:], names[1:], strict=True):
-        if state.keys() != reference.keys():
-            raise PipelineError(f"{name}: its parameters differ from {names[0]}'s "
-                                f"({sorted(state.keys() ^ reference.keys())[:3]}...)")
-        for k, v in state.items():
-            if v.shape != reference[k].shape:
-                raise PipelineError(f"{name}: parameter {k} has shape {tuple(v.shape)}, "
-                                    f"{names[0]} has {tuple(reference[k].shape)}")
-            total[k] += v.to(torch.float64)
-    return {k: (v / len(states)).to(reference[k].dtype) for k, v in total.items()}
+def average_state_dicts(weights: Iterable[tuple[str, Weights]]) -> Weights:
+    """Element-wise mean of the (name, weights) given, accumulated in fp64 whatever the stored precision
+    (so N copies of one checkpoint average to it exactly); keys and shapes must agree. They are taken one
+    at a time, so only the sums and the weights in hand are held: big's 20 checkpoints are 20 models."""
+    total: dict[str, torch.Tensor] = {}
+    first, count = "", 0
+    for name, state in weights:
+        if not count:
+            first, dtypes = name, {k: v.dtype for k, v in state.items()}
+            total = {k: v.detach().to(torch.float64).clone() for k, v in state.items()}
+        else:
+            if state.keys() != total.keys():
+                raise PipelineError(f"{name}: its parameters differ from {first}'s "
+                                    f"({sorted(state.keys() ^ total.keys())[:3]}...)")
+            for k, v in state.items():
+                if v.shape != total[k].shape:
+                    raise PipelineError(f"{name}: parameter {k} has shape {tuple(v.shape)}, "
+                                        f"{first} has {tuple(total[k].shape)}")
+                total[k] += v.to(torch.float64)
+        count += 1
+    return {k: (v / count).to(dtypes[k]) for k, v in total.items()}
 
 
 def run(params: AverageParams, *, checkpoint_dir: InputPath, out_path: OutputPath) -> dict[str, float]:
@@ -40,8 +47,17 @@ def run(params: AverageParams, *, checkpoint_dir: InputPath, out_path: OutputPat
     chosen = found[-params.last :]
     print(f"average: the last {len(chosen)} of {len(found)} checkpoints in {checkpoint_dir}, steps "
           f"{', '.join(str(step) for step, _ in chosen)}", flush=True)
-    loaded = [read_checkpoint(path) for _, path in chosen]
-    averaged = average_state_dicts([c.parts["model"] for c in loaded], [str(p) for _, p in chosen])
-    write_model(out_path, averaged, replace(loaded[-1].meta, steps=tuple(c.step for c in loaded)))
+    read: list[tuple[int, ModelMeta]] = []  # each checkpoint's step and metadata, as it is read
+
+    def models() -> Iterator[tuple[str, Weights]]:
+        """Each checkpoint's model, its file mapped: the rest of the checkpoint (the optimizer's moments,
+        twice the model) is never read from disk."""
+        for _, path in chosen:
+            checkpoint = read_checkpoint(path, mapped=True)
+            read.append((checkpoint.step, checkpoint.meta))
+            yield str(path), checkpoint.parts["model"]
+
+    averaged = average_state_dicts(models())
+    write_model(out_path, averaged, replace(read[-1][1], steps=tuple(step for step, _ in read)))
     print(f"average: wrote {out_path}", flush=True)
     return {"averaged": len(chosen), "first_step": chosen[0][0], "last_step": chosen[-1][0]}

@@ -132,10 +132,12 @@ def remove_unfinished(directory: str | Path) -> list[Path]:
     return stale
 
 
-def read_checkpoint(path: str | Path) -> Checkpoint:
-    """One of our checkpoints, loaded without running any pickled code."""
+def read_checkpoint(path: str | Path, mapped: bool = False) -> Checkpoint:
+    """One of our checkpoints, loaded without running any pickled code. `mapped`: its tensors mapped from
+    the file, read from disk only where touched (averaging and decoding read the model of checkpoints
+    whose optimizer state is twice its size)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
     except Exception as e:  # noqa: BLE001 - any failure to unpickle means: not a checkpoint of ours
         raise PipelineError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
     found = state.get("format") if isinstance(state, dict) else None
@@ -180,8 +182,8 @@ def read_model(path: str | Path) -> tuple[Weights, ModelMeta]:
     path = Path(path)
     if not path.is_file():
         raise PipelineError(f"{path}: model file not found (has the train or average stage run?)")
-    if path.suffix == ".pt":
-        checkpoint = read_checkpoint(path)
+    if path.suffix == ".pt":  # mapped: the optimizer's moments, twice the model, are never read
+        checkpoint = read_checkpoint(path, mapped=True)
         return checkpoint.parts["model"], checkpoint.meta
     try:
         with safe_open(path, framework="pt") as f:

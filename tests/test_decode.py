@@ -4,6 +4,7 @@ import dataclasses
 import io
 import re
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -28,7 +29,33 @@ def test_average_takes_the_last_n_by_step(averaged, trained):
 
 def test_average_refuses_mismatched_checkpoints():
     with pytest.raises(PipelineError, match="b: parameter w has shape"):
-        average.average_state_dicts([{"w": torch.zeros(2)}, {"w": torch.zeros(3)}], ["a", "b"])
+        average.average_state_dicts([("a", {"w": torch.zeros(2)}), ("b", {"w": torch.zeros(3)})])
+    with pytest.raises(PipelineError, match="b: its parameters differ from a's"):
+        average.average_state_dicts([("a", {"w": torch.zeros(2)}), ("b", {"v": torch.zeros(2)})])
+
+
+def test_average_reads_one_checkpoint_at_a_time_mapped(trained, tmp_path, monkeypatch):
+    """Big averages its last 20 checkpoints, each its model and Adam's two moments: all held at once they
+    would be 60 models in memory. Each is read mapped (the moments never read from disk), and an earlier
+    one is let go before the next is read."""
+    held, how = [], []
+
+    def read(path, mapped=False):
+        held[:] = [tensor for tensor in held if tensor() is not None]
+        assert not held[:-1], f"{len(held)} earlier checkpoints still held when {path.name} is read"
+        how.append(mapped)
+        checkpoint = read_checkpoint(path, mapped)
+        held.append(weakref.ref(next(iter(checkpoint.parts["model"].values()))))
+        return checkpoint
+
+    monkeypatch.setattr(average, "read_checkpoint", read)
+    metrics = average.run(average.AverageParams(last=3), checkpoint_dir=trained[0].parent, out_path=tmp_path / "m.st")
+    assert metrics == {"averaged": 3, "first_step": 2, "last_step": 6} and how == [True] * 3
+    weights, meta = read_model(tmp_path / "m.st")
+    models = [read_checkpoint(trained[0] / f"checkpoint-0000000{s}.pt").parts["model"] for s in (2, 4, 6)]
+    for k in weights:
+        torch.testing.assert_close(weights[k], sum(m[k] for m in models) / 3)
+    assert meta.steps == (2, 4, 6)
 
 
 def test_decode_translates_every_line_in_order(averaged, vocab_dir, cleaned, tmp_path):
