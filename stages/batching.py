@@ -75,10 +75,12 @@ def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: 
 def _snake(src: np.ndarray, tgt: np.ndarray, width: int) -> np.ndarray:
     """The permutation that sorts pairs by target-length bin, then source length (ascending in even
     bins, descending in odd ones), then target length, ties kept in their order: one stable sort of
-    the three as one key."""
+    the three as one key (as three, where lengths of millions of tokens would overflow its 64 bits)."""
     bins = tgt // width
     longest_src, span_tgt = int(src.max()), int(tgt.max()) + 1
     snake = np.where(bins % 2 == 0, src, -src) + longest_src  # 0 .. 2 x longest_src
+    if (int(bins.max()) + 1) * (2 * longest_src + 1) * span_tgt > np.iinfo(np.int64).max:
+        return np.lexsort((tgt, snake, bins))
     return np.argsort((bins * (2 * longest_src + 1) + snake) * span_tgt + tgt, kind="stable")
 
 
