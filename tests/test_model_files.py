@@ -65,6 +65,19 @@ def test_files_that_are_not_ours_are_refused_by_name(tmp_path):
         ModelMeta.from_dict({"model_config": {"d_model": 8}, "vocab_size": 3, "steps": []}, "old.safetensors")
 
 
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_checkpoint_cut_short_or_not_ours_is_refused_by_name_read_or_mapped(tmp_path, mapped):
+    """Averaging and decoding map checkpoints (read_checkpoint's `mapped`): a file cut short, or not one
+    torch.save writes as a zip, is refused with its name as a read one is, never a crash."""
+    path = write_checkpoint(tmp_path, Checkpoint(3, META, {}, {"model": {"w": torch.zeros(1000)}}))
+    whole = path.read_bytes()
+    for name, data in (("cut.pt", whole[: len(whole) // 2]), ("text.pt", b"not a checkpoint")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(PipelineError, match=f"{name}: not a readable checkpoint"):
+            read_checkpoint(tmp_path / name, mapped)
+    assert torch.equal(read_checkpoint(path, mapped).parts["model"]["w"], torch.zeros(1000))
+
+
 FORMAT_CALLS = {"torch.save", "torch.load", "safe_open", "safetensors.torch", "safetensors.torch.save"}
 
 
