@@ -134,6 +134,8 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=4_500_000,
                         help="pairs to time the batching of, drawn from the sample's lengths (0: none)")
     args = parser.parse_args()
+    if args.scale < 0 or min(args.budgets) < 1:
+        parser.error("--scale must be 0 or more and --budgets at least 1")
     sample = SHARED / "wmt14/train-sample"
     stems = ["hf-europarl-20k/train", "uedin-toy/europarl-v7.first10k", "uedin-toy/news-commentary.first10k"]
     lines = {lang: [line.strip() for stem in stems for line in open(sample / f"{stem}.{lang}", encoding="utf-8")]
