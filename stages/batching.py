@@ -59,29 +59,60 @@ def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: 
     order = order[fits]
     if not len(order):
         return [], dropped
-    src, tgt, wide = src_len[order], tgt_len[order], longest[order]  # the kept pairs', in `order`
+    groups = _LengthGroups(src_len[order], tgt_len[order], longest[order])  # the kept pairs', in `order`
     best: tuple[int, np.ndarray, np.ndarray] | None = None
     for width in BIN_WIDTHS:
-        snake = _snake(src, tgt, width)
-        by_snake = wide[snake]
+        snake = _snake(groups.src, groups.tgt, width)
+        by_snake = groups.spread(groups.wide, snake)
         starts = _cut(by_snake, max_tokens)
-        slots = _slots(src[snake], tgt[snake], by_snake, starts, max_tokens if bucketed else None)
+        slots = _slots(groups.spread(groups.src, snake), groups.spread(groups.tgt, snake), by_snake, starts,
+                       max_tokens if bucketed else None)
         if best is None or slots < best[0]:  # the same pairs in every cut: fewest slots, least padding
             best = slots, snake, starts
     _, snake, starts = best
-    return np.split(order[snake], starts[1:]), dropped
+    return np.split(order[groups.members_in(snake)], starts[1:]), dropped
+
+
+class _LengthGroups:
+    """Pairs grouped by their (source, target) lengths. Pairs of the same lengths stand together, in
+    their own order, in every snake order, so each bin width sorts the groups (as many as distinct
+    length pairs: tens of thousands, not millions) and the corpus is sorted once, not once a width.
+    `wide`: each pair's longest side as the cut counts it, which its lengths fix."""
+
+    def __init__(self, src: np.ndarray, tgt: np.ndarray, wide: np.ndarray) -> None:
+        self.members = _by_lengths(src, tgt)  # pair indices, group by group, each group's in order
+        src, tgt = src[self.members], tgt[self.members]
+        new = np.concatenate(([True], (src[1:] != src[:-1]) | (tgt[1:] != tgt[:-1])))
+        self.first = np.flatnonzero(new)  # where each group starts in members
+        self.sizes = np.diff(self.first, append=len(src))
+        self.src, self.tgt, self.wide = src[self.first], tgt[self.first], wide[self.members[self.first]]
+
+    def spread(self, values: np.ndarray, order: np.ndarray) -> np.ndarray:
+        """Each pair's value, pairs in the given order of the groups (`values`: one a group)."""
+        return np.repeat(values[order], self.sizes[order])
+
+    def members_in(self, order: np.ndarray) -> np.ndarray:
+        """The pairs' indices, the groups in the given order."""
+        sizes = self.sizes[order]
+        starts = np.cumsum(sizes) - sizes
+        return self.members[np.arange(len(self.members)) + np.repeat(self.first[order] - starts, sizes)]
+
+
+def _by_lengths(src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+    """The stable permutation that sorts pairs by source, then target length: two passes of numpy's
+    stable sort of 16-bit keys, a radix sort, linear in the pairs (a comparison sort of a shuffled
+    corpus of millions is most of the sampler's time); lexsort where lengths need more bits."""
+    if max(int(src.max()), int(tgt.max())) >= 1 << 16:
+        return np.lexsort((tgt, src))
+    by_tgt = np.argsort(tgt.astype(np.uint16), kind="stable")
+    return by_tgt[np.argsort(src[by_tgt].astype(np.uint16), kind="stable")]
 
 
 def _snake(src: np.ndarray, tgt: np.ndarray, width: int) -> np.ndarray:
-    """The permutation that sorts pairs by target-length bin, then source length (ascending in even
-    bins, descending in odd ones), then target length, ties kept in their order: one stable sort of
-    the three as one key (as three, where lengths of millions of tokens would overflow its 64 bits)."""
+    """The permutation that sorts length pairs by target-length bin, then source length (ascending in
+    even bins, descending in odd ones), then target length."""
     bins = tgt // width
-    longest_src, span_tgt = int(src.max()), int(tgt.max()) + 1
-    snake = np.where(bins % 2 == 0, src, -src) + longest_src  # 0 .. 2 x longest_src
-    if (int(bins.max()) + 1) * (2 * longest_src + 1) * span_tgt > np.iinfo(np.int64).max:
-        return np.lexsort((tgt, snake, bins))
-    return np.argsort((bins * (2 * longest_src + 1) + snake) * span_tgt + tgt, kind="stable")
+    return np.lexsort((tgt, np.where(bins % 2 == 0, src, -src), bins))
 
 
 def _cut(longest: np.ndarray, max_tokens: int) -> np.ndarray:
@@ -89,12 +120,14 @@ def _cut(longest: np.ndarray, max_tokens: int) -> np.ndarray:
     x the longest side of any of them) stays within the budget. `longest`: each pair's, in that order,
     each within the budget. A batch's cost only grows as it takes pairs, and it takes at most the budget
     over its first pair's longest, so each batch is one search in that window's running costs."""
+    pairs = np.arange(1, max_tokens // int(longest.min()) + 1)
     starts, start = [], 0
     while start < len(longest):
         window = longest[start : start + max_tokens // int(longest[start])]
-        cost = np.maximum.accumulate(window) * np.arange(1, len(window) + 1)
+        cost = np.maximum.accumulate(window)
+        cost *= pairs[: len(window)]
         starts.append(start)
-        start += int(np.searchsorted(cost, max_tokens, side="right"))
+        start += int(cost.searchsorted(max_tokens, side="right"))
     return np.array(starts, dtype=np.int64)
 
 

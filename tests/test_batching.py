@@ -181,7 +181,7 @@ def test_batches_are_the_pair_by_pair_cut(bucketed):
         reference, dropped_there = pairwise_batches(src, tgt, budget, seed, keep, bucketed)
         assert dropped == dropped_there, trial
         assert [b.tolist() for b in ours] == [b.tolist() for b in reference], trial
-    # lengths of millions of tokens, whose one sort key would overflow 64 bits
+    # lengths of millions of tokens, past the 16-bit keys of the sort by lengths
     src = draw.integers(1, 3_000_000, 50)
     tgt = np.clip(src + draw.integers(-9, 9, 50), 1, None)
     ours, reference = (cut(src, tgt, 10**7, 1, None, bucketed)[0] for cut in (token_batches, pairwise_batches))
