@@ -1,11 +1,14 @@
-"""Cleaning throughput on real WMT14 text: pairs per second on one core and on all cores.
+"""Cleaning throughput on real WMT14 text: the stage's line normalisation against Moses' rules run on
+every line, then the stage's pairs per second on one core and on all cores.
 
     python -m bench.clean
 
-Runs the clean stage (Moses punctuation normalisation, non-printing character removal, NFC,
-length and ratio filters, duplicate removal) over the shared training samples (Europarl and News
-Commentary as distributed, plus the 20k Europarl sample: 40k pairs), first with one worker, then
-with one per core, and projects the time for WMT14 en-de's 4.5M pairs.
+First normalises each side of the shared training samples (Europarl and News Commentary as
+distributed, plus the 20k Europarl sample: 40k pairs) on one core twice, with the stage's Normalizer
+(which leaves out Moses punctuation normalisation where a line has none of its rules' characters) and
+with the rules run on every line (sacremoses after NFC, control characters as spaces), and checks the
+outputs equal. Then runs the clean stage (normalisation, length and ratio filters, duplicate removal)
+over them, with one worker and with one per core, and projects the time for WMT14 en-de's 4.5M pairs.
 """
 from __future__ import annotations
 
@@ -14,6 +17,11 @@ import os
 import tempfile
 import time
 from pathlib import Path
+
+import unicodedata
+from collections.abc import Callable
+
+from sacremoses import MosesPunctNormalizer
 
 from stages import clean
 from stages.io import write_manifest
@@ -24,6 +32,25 @@ SAMPLES = {"europarl-v7": "uedin-toy/europarl-v7.first10k", "news-commentary": "
            "europarl-20k": "hf-europarl-20k/train"}
 WMT14_EN_DE_PAIRS = 4_520_620  # Europarl v7 + Common Crawl + News Commentary v9, as distributed
 PARAMS = settings({"clean.drop_duplicates": True, "clean.invalid_utf8": "drop", "clean.workers": 1}).clean
+
+
+def moses_everywhere(lang: str) -> Callable[[str], str]:
+    """The Normalizer's reference: NFC, control characters as spaces, then Moses punctuation normalisation
+    and non-printing character removal on every line, spaces collapsed."""
+    moses = MosesPunctNormalizer(lang=lang, post_remove_control_chars=True)
+    return lambda line: " ".join(moses.normalize(clean.CONTROL.sub(" ", unicodedata.normalize("NFC", line))).split())
+
+
+def normalising(lines: list[str], lang: str) -> tuple[float, float]:
+    """Lines per second of the Normalizer and of its reference over `lines`, the outputs checked equal."""
+    rates, outputs = [], []
+    for normalize in (clean.Normalizer(lang, PARAMS), moses_everywhere(lang)):
+        start = time.perf_counter()
+        outputs.append([normalize(line) for line in lines])
+        rates.append(len(lines) / (time.perf_counter() - start))
+    if outputs[0] != outputs[1]:
+        raise SystemExit(f"{lang}: the Normalizer's lines differ from Moses' rules run on every line")
+    return rates[0], rates[1]
 
 
 def sample_raw(raw: Path) -> dict[str, int]:
@@ -47,6 +74,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "raw"
         pairs = sum(sample_raw(raw).values())
+        lines_rows, lines_summary = [], []
+        for lang in ("en", "de"):
+            lines = (raw / f"train.{lang}").read_text(encoding="utf-8").splitlines(keepends=True)  # as the stage reads
+            ours, rules = normalising(lines, lang)
+            print(f"normalising {len(lines)} {lang} lines on one core: ours {ours:,.0f} lines/s, Moses' rules on "
+                  f"every line {rules:,.0f} ({ours / rules:.2f}x)")
+            lines_rows += [{"side": lang, "normaliser": "ours (the rules where a line has their characters)",
+                            "lines/s": round(ours)},
+                           {"side": lang, "normaliser": "Moses' rules on every line", "lines/s": round(rules)}]
+            lines_summary.append(f"{lang}: ours / Moses' rules on every line: {ours / rules:.2f}x")
         print(f"{pairs} pairs of WMT14 training text, {os.cpu_count()} cores")
         rates = {}
         for workers in (1, os.cpu_count() or 1):
@@ -59,7 +96,8 @@ def main() -> None:
         print(summary)
     record("clean", "wmt14 samples", f"The clean stage on {pairs} pairs of WMT14 training text",
            [{"workers": w, "pairs/s": round(r), "4.5M pairs (min)": round(WMT14_EN_DE_PAIRS / r / 60, 1)}
-            for w, r in rates.items()], summary)
+            for w, r in rates.items()], f"{summary}; " + "; ".join(lines_summary),
+           tables={"Normalising each side's lines on one core, outputs checked equal": lines_rows})
 
 
 if __name__ == "__main__":

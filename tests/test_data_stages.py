@@ -3,6 +3,7 @@ shared reading and writing they rely on. The chain's fixtures are in conftest.py
 import dataclasses
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import sacrebleu
+from sacremoses import MosesPunctNormalizer
 
 from conftest import CLEAN, ROOT, TRAIN_LINES, download_params, wait_for
 from stages import clean, download, encode, score, vocab
@@ -89,6 +91,25 @@ def test_clean_normalises_like_moses(tmp_path):
     clean.run(CLEAN, raw_dir=raw, out_dir=tmp_path / "out")
     assert (tmp_path / "out/train.en").read_text(encoding="utf-8") == '"Quoted" text here\nfine\none two three\n'
     assert (tmp_path / "out/train.de").read_text(encoding="utf-8") == '"Zitat" Text\ngut\nAbgeordnete hier, drei\n'
+
+
+@pytest.mark.parametrize("lang", ["en", "de", "fr", "cs"])
+def test_normalising_skips_moses_only_where_it_would_change_nothing_but_spaces(lang, shared):
+    """The Normalizer leaves Moses' rules out for lines without their characters: on random text of those
+    characters (and of others they could meet) and on newstest2014, every line comes out as when the
+    rules run on every line (bench.clean's reference)."""
+    from bench.clean import moses_everywhere
+    normalize, reference = clean.Normalizer(lang, CLEAN), moses_everywhere(lang)
+    ruled = sorted({c for pattern, _ in MosesPunctNormalizer(lang=lang).substitutions for c in pattern})
+    alphabet = ruled + list("'aZ19 .,!?-/<\t\u00e9\u0301\u00df\u00ad\u200b\u2009\u0085\u3002")
+    draw = random.Random(lang)
+    lines = ["".join(draw.choices(alphabet, k=draw.randrange(9))) + draw.choice(["", "\n", "\r\n"])
+             for _ in range(30000)]  # the clean stage's lines end in their line endings
+    news = shared / "wmt14/newstest2014-full"
+    lines += [line + "\n" for name in ("deen-src.en", "deen-ref.de") for line in read_lines(news / f"newstest2014-{name}.txt")]
+    skipped = [line for line in lines if line.rstrip("\r\n").isprintable() and not normalize.moses_matches.search(line)]
+    assert len(skipped) > 5000  # the random lines exercise both ways
+    assert [normalize(line) for line in lines] == [reference(line) for line in lines]
 
 
 def test_clean_invalid_utf8_names_file_line_and_byte_or_is_dropped(tmp_path):
