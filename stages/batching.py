@@ -65,8 +65,10 @@ def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: 
     for width in BIN_WIDTHS:
         snake = _snake(groups.src, groups.tgt, width)
         starts = _cut(groups.wide[snake], groups.sizes[snake], max_tokens)
-        slots = _slots(groups.spread(groups.src, snake), groups.spread(groups.tgt, snake),
-                       groups.spread(groups.wide, snake), starts, max_tokens if bucketed else None)
+        if bucketed:
+            slots = _bucket_slots(groups.spread(groups.wide, snake), starts, max_tokens)
+        else:
+            slots = _slots(groups.spread(groups.src, snake), groups.spread(groups.tgt, snake), starts)
         if best is None or slots < best[0]:  # the same pairs in every cut: fewest slots, least padding
             best = slots, snake, starts
     _, snake, starts = best
@@ -138,16 +140,19 @@ def _cut(longest: np.ndarray, runs: np.ndarray, max_tokens: int) -> np.ndarray:
     return np.repeat(first, count) + np.repeat(step, count) * nth
 
 
-def _slots(src: np.ndarray, tgt: np.ndarray, longest: np.ndarray, starts: np.ndarray,
-           bucket_budget: int | None) -> int:
-    """Padded token slots, both sides together, of pairs in order cut at `starts`: each side padded to
-    its longest, or, with a bucket budget, both to the batch's bucket_shape (its width the largest of
-    its pairs' `longest`, which are bucket widths then, each within the budget)."""
-    if bucket_budget is None:
-        pairs = np.diff(starts, append=len(src))
-        return int((pairs * (np.maximum.reduceat(src, starts) + np.maximum.reduceat(tgt, starts))).sum())
+def _slots(src: np.ndarray, tgt: np.ndarray, starts: np.ndarray) -> int:
+    """Padded token slots, both sides together, of pairs in order cut at `starts`, each side padded to
+    its longest."""
+    pairs = np.diff(starts, append=len(src))
+    return int((pairs * (np.maximum.reduceat(src, starts) + np.maximum.reduceat(tgt, starts))).sum())
+
+
+def _bucket_slots(longest: np.ndarray, starts: np.ndarray, budget: int) -> int:
+    """Padded token slots, both sides together, of pairs in order cut at `starts`, each batch padded to
+    its bucket_shape: its width the largest of its pairs' `longest` (bucket widths, each within the
+    budget), its rows what the budget gives that width."""
     width = np.maximum.reduceat(longest, starts)
-    return int((2 * (bucket_budget // width) * width).sum())
+    return int((2 * (budget // width) * width).sum())
 
 
 def divisible(batches: list[np.ndarray], parts: int) -> list[np.ndarray]:
