@@ -69,9 +69,9 @@ MOSES_ASCII = "()%:;`\""
 class Normalizer:
     """The per-line normalisation for one language.
 
-    Moses punctuation normalisation runs some forty regular expressions over a line, most of the clean
-    stage's time, and leaves most lines as they were but for their spaces: a printable line with none of
-    the characters its rules match skips it (`python -m bench.clean` times both ways on the same lines,
+    Moses punctuation normalisation runs some forty regular expressions over a line and leaves most
+    lines as they were but for their spaces: a printable line with none of the characters its rules
+    match skips it (`python -m bench.clean` times both ways on the same lines,
     outputs checked equal; tests/test_data_stages.py holds the two to each other)."""
 
     def __init__(self, lang: str, params: CleanParams) -> None:
