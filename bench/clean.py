@@ -16,10 +16,9 @@ import dataclasses
 import os
 import tempfile
 import time
-from pathlib import Path
-
 import unicodedata
 from collections.abc import Callable
+from pathlib import Path
 
 from sacremoses import MosesPunctNormalizer
 
