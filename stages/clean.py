@@ -78,11 +78,17 @@ class Normalizer:
         self.moses = MosesPunctNormalizer(lang=lang, post_remove_control_chars=True) \
             if params.normalize_punctuation else None
         self.form = None if params.unicode_form == "none" else params.unicode_form
+        self.lowercase = params.lowercase
         if self.moses:
             others = sorted({c for pattern, _ in self.moses.substitutions for c in pattern if ord(c) > 127})
             self.moses_matches = re.compile(f"[{re.escape(MOSES_ASCII + ''.join(others))}]|''")
 
     def __call__(self, line: str) -> str:
+        """The line normalised (and lowercased, where clean.lowercase says so)."""
+        line = self._normalized(line)
+        return line.lower() if self.lowercase else line
+
+    def _normalized(self, line: str) -> str:
         """The line normalised; it may end in its line ending, which the rules see as a space as the
         clean stage has always given it them (`."` at the end of a line becomes `".` then)."""
         if self.form:

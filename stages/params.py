@@ -103,6 +103,9 @@ class CleanParams:
     unicode_form: Literal["NFC", "NFKC", "none"]
     invalid_utf8: Literal["error", "drop"]  # stop with file, line and byte, or drop the pair and count it
     workers: int  # processes; 0: one per core
+    # Every side lowercased, as the Multi30k literature trains and scores (its BLEU: score.lowercase and
+    # bleu_lc_tok). The default serves the clean artifacts of models logged before the key was kept.
+    lowercase: bool = False
 
     def __post_init__(self) -> None:
         check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, not {self.max_tokens}")

@@ -93,6 +93,18 @@ def test_clean_normalises_like_moses(tmp_path):
     assert (tmp_path / "out/train.de").read_text(encoding="utf-8") == '"Zitat" Text\ngut\nAbgeordnete hier, drei\n'
 
 
+def test_clean_lowercases_every_split_where_asked(tmp_path):
+    """clean.lowercase: every line of every split lowercased after its normalisation, lines that need Moses'
+    rules and lines that skip them alike."""
+    raw = _raw_text(tmp_path, '\u201cQuoted\u201d Text\nPlain Words\n'.encode(),
+                    '\u201eZitat\u201c Text\nEinfache W\u00d6RTER\n'.encode())
+    (raw / "dev.en").write_text("Dev Line (One)\n")
+    clean.run(dataclasses.replace(CLEAN, lowercase=True), raw_dir=raw, out_dir=tmp_path / "out")
+    assert (tmp_path / "out/train.en").read_text(encoding="utf-8") == '"quoted" text\nplain words\n'
+    assert (tmp_path / "out/train.de").read_text(encoding="utf-8") == '"zitat" text\neinfache w\u00f6rter\n'
+    assert (tmp_path / "out/dev.en").read_text(encoding="utf-8") == "dev line (one)\n"
+
+
 @pytest.mark.parametrize("lang", ["en", "de", "fr", "cs"])
 def test_normalising_skips_moses_only_where_it_would_change_nothing_but_spaces(lang, shared):
     """The Normalizer leaves Moses' rules out for lines without their characters: on random text of those
