@@ -235,10 +235,20 @@ def test_score_reproduces_sacrebleu_on_newstest(shared, tmp_path):
     # the paper's tokenised, compound-split BLEU: its own figure, and it counts split compounds as tokens
     assert result["bleu_tok"] != pytest.approx(result["bleu"]) and 0 < result["bleu_tok"] < 100
     assert result["bleu_tok_signature"] == score.BLEU_TOK_VARIANT
-    # lowercased and Moses-tokenised, as published Multi30k results: against sacreBLEU on that same text
-    lower = [line.lower() for line in score.moses_tokenize(hyp, "de")], [score.moses_tokenize(ref, "de")]
-    lowered = sacrebleu.corpus_bleu(lower[0], [[line.lower() for line in lower[1][0]]], tokenize="none")
+    # lowercased, then Moses-tokenised, as published Multi30k results: against sacreBLEU on that same text
+    hyp_lc, ref_lc = (score.moses_tokenize([line.lower() for line in lines], "de") for lines in (hyp, ref))
+    lowered = sacrebleu.corpus_bleu(hyp_lc, [ref_lc], tokenize="none")
     assert result["bleu_lc_tok"] == pytest.approx(lowered.score) and result["bleu_lc_tok"] != result["bleu_tok"]
+
+
+def test_lowercased_tokenised_bleu_counts_test2016_as_published_multi30k_results(shared):
+    """bleu_lc_tok's tokens are those of the fairseq BLEU that Wu et al. 2021 report (docs/multi30k.md): test2016's
+    German reference lowercased, then Moses-tokenised, is the 12,103 tokens of their published log's reflen.
+    Tokenised before lowercasing it is one fewer: "Bart." ends a caption, and Moses keeps the period of a
+    capitalised word on its list of abbreviations."""
+    ref = list(read_lines(shared / "multi30k/test_2016_flickr.de"))
+    assert sum(len(line.split()) for line in score.moses_tokenize([line.lower() for line in ref], "de")) == 12103
+    assert sum(len(line.split()) for line in score.moses_tokenize(ref, "de")) == 12102
 
 
 def test_paper_tokenisation_splits_compounds_like_get_ende_bleu():
