@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -63,6 +64,21 @@ class ConfigError(PipelineError):
     pass
 
 
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading a number with an exponent and no point (1e-8) as a float, as YAML 1.2
+    does and as ruamel (DVC's library, which writes `-S` overrides into params.yaml) writes 1e-08: YAML 1.1
+    reads it as the string '1e-8'."""
+
+
+YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                                 list("-+0123456789"))
+
+
+def load_yaml(text: str) -> Any:
+    """The project's YAML (params.yaml, presets, overrides) as plain data, safely."""
+    return yaml.load(text, Loader=YamlLoader)
+
+
 class _Source:
     """Where the values came from, to point errors at a line."""
 
@@ -70,7 +86,7 @@ class _Source:
         self.name = name
         self.lines: dict[str, int] = {}
         try:
-            root = yaml.compose(text, Loader=yaml.SafeLoader)
+            root = yaml.compose(text, Loader=YamlLoader)
         except yaml.YAMLError:
             root = None  # a syntax error: parse_params reports it with its own line
         self._index(root, "")
@@ -167,7 +183,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str, src: _Source) -> Any:
 def read_yaml(text: str, name: str) -> dict[str, Any]:
     """params.yaml's text as plain data; a syntax error names its line."""
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""

@@ -17,9 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from pipeline.config import PARAMS_FILE, ROOT, ConfigError, Params, build_params, parse_params, read_yaml
+from pipeline.config import PARAMS_FILE, ROOT, ConfigError, Params, build_params, load_yaml, parse_params, read_yaml
 from stages.io import atomic_write
 
 PRESETS_DIR = ROOT / "presets"
@@ -34,7 +32,7 @@ def load_preset(name: str) -> dict[str, Any]:
     path = PRESETS_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"no preset '{name}' (known: {', '.join(preset_names())})")
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    data = load_yaml(path.read_text(encoding="utf-8"))
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of dotted keys to values")
     return data
@@ -42,7 +40,7 @@ def load_preset(name: str) -> dict[str, Any]:
 
 def table3_rows() -> dict[str, dict[str, Any]]:
     """Row name -> overrides (the common ones included) of the paper's Table 3 experiments."""
-    data = yaml.safe_load(TABLE3_FILE.read_text(encoding="utf-8"))
+    data = load_yaml(TABLE3_FILE.read_text(encoding="utf-8"))
     return {name: {**data["common"], **row} for name, row in data["rows"].items()}
 
 
@@ -51,7 +49,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {text!r}: expected key=value")
-    return key.strip(), yaml.safe_load(value)
+    return key.strip(), load_yaml(value)
 
 
 def collect_overrides(presets: list[str], overrides: list[str]) -> dict[str, Any]:

@@ -9,7 +9,8 @@ import yaml
 from pipeline import config
 from pipeline.config import ROOT
 from pipeline.config import ConfigError, Params, load_params, parse_params
-from pipeline.presets import apply, apply_overrides, dvc_set_args, layered, load_preset, preset_names, table3_rows
+from pipeline.presets import apply, apply_overrides, dvc_set_args, layered, load_preset, parse_override, preset_names, \
+    table3_rows
 
 BASE = config.PARAMS_FILE.read_text(encoding="utf-8")
 
@@ -128,6 +129,19 @@ def test_overrides_keep_comments_and_refuse_unknown_keys(tmp_path):
     with pytest.raises(ConfigError, match="train.max_steps: expected an integer"):
         apply_overrides({"train.max_steps": "many"}, path)
     assert yaml.safe_load(path.read_text(encoding="utf-8"))["train"]["max_steps"] == 7  # the bad ones wrote nothing
+
+
+@pytest.mark.parametrize("written", ["1e-8", "1.0e-8", "1E-08", "+1e-8"])
+def test_a_number_with_an_exponent_is_a_number_by_hand_and_by_override(written, tmp_path):
+    """YAML 1.1 reads 1e-8 (no point) as a string; ruamel, which writes overrides, writes 1.0e-8 as 1e-08.
+    Both ways it must read back as the number, in params.yaml and in a `-S` value."""
+    path = tmp_path / "params.yaml"
+    path.write_text(BASE.replace("adam_eps: 1.0e-9", f"adam_eps: {written}"), encoding="utf-8")
+    assert load_params(path).train.adam_eps == 1e-8
+    path.write_text(BASE, encoding="utf-8")
+    key, value = parse_override(f"train.adam_eps={written}")
+    assert apply_overrides({key: value}, path).train.adam_eps == 1e-8
+    assert load_params(path).train.adam_eps == 1e-8  # as written: the next command reads it back
 
 
 def test_presets_start_over_from_the_file_before_the_last_presets_and_values_alone_stack(tmp_path):

@@ -8,11 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.common import MULTI30K, settings
 from bench.gpu import Sizes
-from pipeline.config import Params
+from pipeline.config import Params, load_yaml
 
 TRIES = Path(__file__).with_name("multi30k-tries.yaml")
 
@@ -22,7 +20,7 @@ RESCORED = ("average.", "decode.")  # what a rescore variant may change: not the
 
 def tries() -> dict[str, dict[str, Any]]:
     """Name -> overrides after the presets (with `rescore`, a list of variants), in the file's order."""
-    return yaml.safe_load(TRIES.read_text(encoding="utf-8"))
+    return load_yaml(TRIES.read_text(encoding="utf-8"))
 
 
 def try_settings(sizes: Sizes, name: str, overrides: dict[str, Any], source: Path) -> list[Params]:
