@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,12 @@ def portable(arg: str) -> str:
     return str(Path("<dir>", *path.parts[-2:]))
 
 
+def shell_word(arg: str) -> str:
+    """An argument as a shell reads it back from a recorded command: quoted where it holds whitespace
+    (a YAML list in an override, say)."""
+    return shlex.quote(arg) if re.search(r"\s", arg) else arg
+
+
 def record(bench: str, case: str, title: str, rows: list[dict[str, Any]], summary: str,
            results_dir: Path | None = None, argv: list[str] | None = None,
            tables: dict[str, list[dict[str, Any]]] | None = None) -> Path:
@@ -127,7 +134,7 @@ def record(bench: str, case: str, title: str, rows: list[dict[str, Any]], summar
     found = machine()
     result = {"bench": bench, "case": case, "title": title, "rows": rows, "summary": summary,
               "command": " ".join(["python -m", f"bench.{bench}",
-                                   *map(portable, sys.argv[1:] if argv is None else argv)]),
+                                   *(shell_word(portable(a)) for a in (sys.argv[1:] if argv is None else argv))]),
               "machine": found, "commit": _commit(), "date": datetime.date.today().isoformat(),
               **({"tables": tables} if tables else {})}
     stolen = stolen_share(START_TICKS, cpu_ticks())

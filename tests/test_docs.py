@@ -120,6 +120,15 @@ def test_a_recorded_command_names_no_folder_of_this_machine():
     assert results.portable("train.max_steps=8000") == "train.max_steps=8000"
 
 
+def test_a_recorded_command_reads_back_as_the_arguments_it_ran_with(tmp_path):
+    """An override holding a space (a YAML list) stays one argument in the recorded command."""
+    argv = ["-S", "train.adam_betas=[0.9, 0.999]", "-S", "train.max_steps=8000"]
+    path = results.record("demo", "argv", "A demo", [{"system": "ours", "tokens/s": 1.0}], "1.00x",
+                          results_dir=tmp_path, argv=argv)
+    command = json.loads(path.read_text(encoding="utf-8"))["command"]
+    assert shlex.split(command) == ["python", "-m", "bench.demo", *argv]
+
+
 def test_a_try_of_many_overrides_records_in_a_file_of_its_own(tmp_path):
     """A file name past 255 bytes fails at the end of a run; the case, cut, keeps a hash of the whole."""
     overrides = " ".join(f"-S model.setting_{i}=value" for i in range(20))
