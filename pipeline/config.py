@@ -58,6 +58,9 @@ class Params:
         if self.train.keep_checkpoints < self.average.last:
             raise ValueError("train.keep_checkpoints", f"{self.train.keep_checkpoints} would delete checkpoints that "
                                                        f"average.last ({self.average.last}) averages")
+        if self.clean.lowercase and not self.score.lowercase:
+            raise ValueError("clean.lowercase", "trains on lowercased text, whose translations a cased BLEU would "
+                                                "count wrong on every capital: set score.lowercase: true too")
 
 
 class ConfigError(PipelineError):

@@ -131,6 +131,15 @@ def test_overrides_keep_comments_and_refuse_unknown_keys(tmp_path):
     assert yaml.safe_load(path.read_text(encoding="utf-8"))["train"]["max_steps"] == 7  # the bad ones wrote nothing
 
 
+def test_lowercased_training_text_is_scored_lowercased(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(BASE, encoding="utf-8")
+    where = r"params.yaml \(with overrides clean.lowercase\):\d+: "
+    with pytest.raises(ConfigError, match=where + "clean.lowercase: .*set score.lowercase: true"):
+        apply_overrides({"clean.lowercase": True}, path)
+    assert apply_overrides({"clean.lowercase": True, "score.lowercase": True}, path).clean.lowercase
+
+
 @pytest.mark.parametrize("written", ["1e-8", "1.0e-8", "1E-08", "+1e-8"])
 def test_a_number_with_an_exponent_is_a_number_by_hand_and_by_override(written, tmp_path):
     """YAML 1.1 reads 1e-8 (no point) as a string; ruamel, which writes overrides, writes 1.0e-8 as 1e-08.
