@@ -5,11 +5,14 @@ its variant so nobody compares the wrong numbers.
   exactly what was measured. The figure to compare with other systems.
 - `bleu_tok`: the paper's kind of BLEU (tensor2tensor's get_ende_bleu.sh): both sides Moses-tokenised,
   hyphenated compounds split as `a ##AT##-##AT## b`, BLEU over those tokens (multi-bleu.perl's
-  arithmetic, cased). The figure to compare with the paper's 27.3 / 28.4; it runs higher than `bleu`.
+  arithmetic). The figure to compare with the paper's 27.3 / 28.4; it runs higher than `bleu`.
 - `bleu_lc_tok`: BLEU over lowercased, then Moses-tokenised text (no compound splitting), what published
   Multi30k results quote (fairseq's BLEU on lowercased, tokenised captions: test2016's reference comes
   to their 12,103 tokens); it runs higher still.
 - `chrf`: sacreBLEU's chrF.
+
+`bleu`, `bleu_tok` and `chrf` are cased unless `score.lowercase` (a model trained on lowercased text,
+`clean.lowercase`, has no casing to be scored on); each signature says which.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from stages.params import ScoreParams
 
 SPLITS = ("dev", "test")
 COMPOUND = re.compile(r"(\S)-(\S)")
-BLEU_TOK_VARIANT = "moses-tokenized|compound-split:##AT##|case:mixed|multi-bleu"
+BLEU_TOK_VARIANT = "moses-tokenized|compound-split:##AT##|case:{case}|multi-bleu"
 BLEU_LC_TOK_VARIANT = "moses-tokenized|case:lower|multi-bleu"
 
 
@@ -46,14 +49,15 @@ def score(params: ScoreParams, hypotheses: list[str], references: list[str], *, 
         raise PipelineError(f"{hyp_name} has {len(hypotheses)} lines but {ref_name} has {len(references)}")
     bleu = BLEU(tokenize=params.tokenize, lowercase=params.lowercase)
     tokenized = BLEU(tokenize="none", force=True)
-    chrf = CHRF()
+    chrf = CHRF(lowercase=params.lowercase)
     hyp_tok, ref_tok = (moses_tokenize([line.lower() for line in lines], lang) for lines in (hypotheses, references))
+    hyp_paper, ref_paper = (paper_tokenize([line.lower() for line in lines] if params.lowercase else lines, lang)
+                            for lines in (hypotheses, references))
     return {
         "bleu": bleu.corpus_score(hypotheses, [references]).score,
         "bleu_signature": str(bleu.get_signature()),
-        "bleu_tok": tokenized.corpus_score(paper_tokenize(hypotheses, lang),
-                                           [paper_tokenize(references, lang)]).score,
-        "bleu_tok_signature": BLEU_TOK_VARIANT,
+        "bleu_tok": tokenized.corpus_score(hyp_paper, [ref_paper]).score,
+        "bleu_tok_signature": BLEU_TOK_VARIANT.format(case="lower" if params.lowercase else "mixed"),
         "bleu_lc_tok": tokenized.corpus_score(hyp_tok, [ref_tok]).score,
         "bleu_lc_tok_signature": BLEU_LC_TOK_VARIANT,
         "chrf": chrf.corpus_score(hypotheses, [references]).score,

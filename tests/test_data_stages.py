@@ -234,11 +234,29 @@ def test_score_reproduces_sacrebleu_on_newstest(shared, tmp_path):
     assert result["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyp, [ref]).score)
     # the paper's tokenised, compound-split BLEU: its own figure, and it counts split compounds as tokens
     assert result["bleu_tok"] != pytest.approx(result["bleu"]) and 0 < result["bleu_tok"] < 100
-    assert result["bleu_tok_signature"] == score.BLEU_TOK_VARIANT
+    assert result["bleu_tok_signature"] == "moses-tokenized|compound-split:##AT##|case:mixed|multi-bleu"
     # lowercased, then Moses-tokenised, as published Multi30k results: against sacreBLEU on that same text
     hyp_lc, ref_lc = (score.moses_tokenize([line.lower() for line in lines], "de") for lines in (hyp, ref))
     lowered = sacrebleu.corpus_bleu(hyp_lc, [ref_lc], tokenize="none")
     assert result["bleu_lc_tok"] == pytest.approx(lowered.score) and result["bleu_lc_tok"] != result["bleu_tok"]
+
+
+def test_lowercase_scoring_scores_every_figure_lowercased(shared):
+    """A model trained on lowercased text (clean.lowercase needs score.lowercase) is scored on no casing in any
+    figure: the same hypotheses read the same whether written lowercased or not, and their signatures say so."""
+    ref = list(read_lines(shared / "multi30k/val.de"))[:300]
+    hyp = [" ".join(line.split()[1:]) for line in ref]
+    lowered = score.ScoreParams(tokenize="13a", lowercase=True)
+    cased, lower = (score.score(lowered, h, ref, hyp_name="h", ref_name="r", lang="de")
+                    for h in (hyp, [line.lower() for line in hyp]))
+    for key in ("bleu", "bleu_tok", "bleu_lc_tok", "chrf"):
+        assert cased[key] == pytest.approx(lower[key]), key
+    as_cased = score.score(score.ScoreParams(tokenize="13a", lowercase=False), [line.lower() for line in hyp], ref,
+                           hyp_name="h", ref_name="r", lang="de")
+    for key in ("bleu", "bleu_tok", "chrf"):
+        assert as_cased[key] < lower[key] - 5, key
+    assert "case:lc" in lower["bleu_signature"] and "case:lc" in lower["chrf_signature"]
+    assert lower["bleu_tok_signature"] == "moses-tokenized|compound-split:##AT##|case:lower|multi-bleu"
 
 
 def test_lowercased_tokenised_bleu_counts_test2016_as_published_multi30k_results(shared):
