@@ -35,10 +35,15 @@ def moses_tokenize(lines: list[str], lang: str) -> list[str]:
     return [tok.tokenize(line, return_str=True, escape=False) for line in lines]
 
 
+def split_compounds(tokenized: list[str]) -> list[str]:
+    """get_ende_bleu.sh's compound splitting of Moses-tokenised lines."""
+    # one pass, as the script's perl s{(\S)-(\S)}{...}g: in "3-4-mal" only the first hyphen splits
+    return [COMPOUND.sub(r"\1 ##AT##-##AT## \2", text) for text in tokenized]
+
+
 def paper_tokenize(lines: list[str], lang: str) -> list[str]:
     """Moses tokenisation and compound splitting as in tensor2tensor's get_ende_bleu.sh."""
-    # one pass, as the script's perl s{(\S)-(\S)}{...}g: in "3-4-mal" only the first hyphen splits
-    return [COMPOUND.sub(r"\1 ##AT##-##AT## \2", text) for text in moses_tokenize(lines, lang)]
+    return split_compounds(moses_tokenize(lines, lang))
 
 
 def score(params: ScoreParams, hypotheses: list[str], references: list[str], *, hyp_name: str,
@@ -51,8 +56,9 @@ def score(params: ScoreParams, hypotheses: list[str], references: list[str], *, 
     tokenized = BLEU(tokenize="none", force=True)
     chrf = CHRF(lowercase=params.lowercase)
     hyp_tok, ref_tok = (moses_tokenize([line.lower() for line in lines], lang) for lines in (hypotheses, references))
-    hyp_paper, ref_paper = (paper_tokenize([line.lower() for line in lines] if params.lowercase else lines, lang)
-                            for lines in (hypotheses, references))
+    # under score.lowercase the paper's tokens are the lowercased ones, compounds split: tokenised once
+    hyp_paper, ref_paper = (split_compounds(tokens) if params.lowercase else paper_tokenize(lines, lang)
+                            for tokens, lines in ((hyp_tok, hypotheses), (ref_tok, references)))
     return {
         "bleu": bleu.corpus_score(hypotheses, [references]).score,
         "bleu_signature": str(bleu.get_signature()),

@@ -255,6 +255,8 @@ def test_lowercase_scoring_scores_every_figure_lowercased(shared):
                            hyp_name="h", ref_name="r", lang="de")
     for key in ("bleu", "bleu_tok", "chrf"):
         assert as_cased[key] < lower[key] - 5, key
+    hyp_lc, ref_lc = (score.paper_tokenize([line.lower() for line in lines], "de") for lines in (hyp, ref))
+    assert lower["bleu_tok"] == pytest.approx(sacrebleu.corpus_bleu(hyp_lc, [ref_lc], tokenize="none").score)
     assert "case:lc" in lower["bleu_signature"] and "case:lc" in lower["chrf_signature"]
     assert lower["bleu_tok_signature"] == "moses-tokenized|compound-split:##AT##|case:lower|multi-bleu"
 
