@@ -119,9 +119,11 @@ def portable(arg: str) -> str:
 
 
 def shell_word(arg: str) -> str:
-    """An argument as a shell reads it back from a recorded command: quoted where it holds whitespace
-    (a YAML list in an override, say)."""
-    return shlex.quote(arg) if re.search(r"\s", arg) else arg
+    """An argument as a shell reads it back from a recorded command: quoted where it holds anything a
+    shell would split or expand (a YAML list in an override, say, with or without spaces), the `<dir>/`
+    of a path from outside the checkout left bare, to read as the placeholder it is."""
+    head = "<dir>/" if arg.startswith("<dir>/") else ""
+    return head + shlex.quote(arg[len(head):])
 
 
 def record(bench: str, case: str, title: str, rows: list[dict[str, Any]], summary: str,

@@ -117,16 +117,24 @@ def test_a_recorded_command_names_no_folder_of_this_machine():
     assert results.portable(str(ROOT / "bench/results")) == "bench/results"
     assert results.portable(str(ROOT.parent / "shared/data/multi30k")) == "../shared/data/multi30k"
     assert results.portable("/home/someone/runs/tiny/params.yaml") == "<dir>/tiny/params.yaml"
+    assert results.shell_word("<dir>/tiny/params.yaml") == "<dir>/tiny/params.yaml"  # a placeholder, bare
     assert results.portable("train.max_steps=8000") == "train.max_steps=8000"
 
 
 def test_a_recorded_command_reads_back_as_the_arguments_it_ran_with(tmp_path):
-    """An override holding a space (a YAML list) stays one argument in the recorded command."""
-    argv = ["-S", "train.adam_betas=[0.9, 0.999]", "-S", "train.max_steps=8000"]
+    """An override holding a space or a shell's pattern characters (YAML lists) stays one argument in the
+    recorded command, as it was given."""
+    argv = ["-S", "train.adam_betas=[0.9, 0.999]", "-S", "train.adam_betas=[0.9,0.98]", "--source", "*.en",
+            "-S", "train.max_steps=8000"]
     path = results.record("demo", "argv", "A demo", [{"system": "ours", "tokens/s": 1.0}], "1.00x",
                           results_dir=tmp_path, argv=argv)
     command = json.loads(path.read_text(encoding="utf-8"))["command"]
-    assert shlex.split(command) == ["python", "-m", "bench.demo", *argv]
+    # bash itself, in a folder with files the patterns would match, failing any pattern that matches none
+    for name in ("a.en", "train.adam_betas=0"):
+        (tmp_path / name).touch()
+    words = subprocess.run(["bash", "-O", "failglob", "-c", f"printf '%s\\n' {command}"], cwd=tmp_path,
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    assert words == ["python", "-m", "bench.demo", *argv]
 
 
 def test_a_try_of_many_overrides_records_in_a_file_of_its_own(tmp_path):
