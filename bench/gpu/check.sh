@@ -14,7 +14,8 @@
 #   bash bench/gpu/check.sh quality    # fp32 / bf16 / captured bf16 loss curves on the same batches; the Multi30k
 #                                      # GPU preset end to end
 #   bash bench/gpu/check.sh multi30k   # the Multi30k GPU tries of bench/gpu/multi30k-tries.yaml (the preset in
-#                                      # en-de with its rescore variants, then en-fr, then Transformer-Tiny),
+#                                      # en-de with its rescore variants, then en-fr, then the CPU presets'
+#                                      # model on its schedule, then Transformer-Tiny),
 #                                      # each end to end (about 2.3 minutes each, a variant seconds on dev);
 #                                      # `check.sh multi30k 330` gives them 330 s in place of 450: the first two
 #
