@@ -104,9 +104,12 @@ def _slug(text: str, most: int = 120) -> str:
     return f"{slug[:most - 11].rstrip('-')}-{hashlib.sha256(slug.encode()).hexdigest()[:10]}"
 
 
+ELSEWHERE = "<dir>"  # a recorded path's folder outside the checkout: the reader's own folder goes there
+
+
 def portable(arg: str) -> str:
     """An argument as a command on another machine reads it: a path of the checkout relative to it (the
-    shared data as ../shared/data), any other absolute path as `<dir>/` and its last two parts, so that no
+    shared data as ../shared/data), any other absolute path as ELSEWHERE and its last two parts, so that no
     folder of this machine lands in a record."""
     if not arg.startswith("/"):
         return arg
@@ -115,14 +118,14 @@ def portable(arg: str) -> str:
         return str(path.relative_to(ROOT))
     if path.is_relative_to(ROOT.parent / "shared"):
         return str(Path("..") / path.relative_to(ROOT.parent))
-    return str(Path("<dir>", *path.parts[-2:]))
+    return str(Path(ELSEWHERE, *path.parts[-2:]))
 
 
 def shell_word(arg: str) -> str:
     """An argument as a shell reads it back from a recorded command: quoted where it holds anything a
-    shell would split or expand (a YAML list in an override, say, with or without spaces), the `<dir>/`
-    of a path from outside the checkout left bare, to read as the placeholder it is."""
-    head = "<dir>/" if arg.startswith("<dir>/") else ""
+    shell would split or expand (a YAML list in an override, say, with or without spaces). A path from
+    outside the checkout keeps its ELSEWHERE folder unquoted, so that it reads as the folder to fill in."""
+    head = f"{ELSEWHERE}/" if arg.startswith(f"{ELSEWHERE}/") else ""
     return head + shlex.quote(arg[len(head):])
 
 

@@ -117,7 +117,8 @@ def test_a_recorded_command_names_no_folder_of_this_machine():
     assert results.portable(str(ROOT / "bench/results")) == "bench/results"
     assert results.portable(str(ROOT.parent / "shared/data/multi30k")) == "../shared/data/multi30k"
     assert results.portable("/home/someone/runs/tiny/params.yaml") == "<dir>/tiny/params.yaml"
-    assert results.shell_word("<dir>/tiny/params.yaml") == "<dir>/tiny/params.yaml"  # a placeholder, bare
+    assert results.shell_word("<dir>/tiny/params.yaml") == "<dir>/tiny/params.yaml"  # the folder to fill in, unquoted
+    assert results.shell_word("<dir>/my runs/a*.yaml") == "<dir>/'my runs/a*.yaml'"
     assert results.portable("train.max_steps=8000") == "train.max_steps=8000"
 
 
