@@ -13,9 +13,9 @@
 #                                      # shape); then big, by default and eager, while its share lasts
 #   bash bench/gpu/check.sh quality    # fp32 / bf16 / captured bf16 loss curves on the same batches; the Multi30k
 #                                      # GPU preset end to end
-#   bash bench/gpu/check.sh multi30k   # the Multi30k GPU tries of bench/gpu/multi30k-tries.yaml (the preset in
-#                                      # en-de with its rescore variants, then en-fr, then the CPU presets'
-#                                      # model on its schedule, then Transformer-Tiny),
+#   bash bench/gpu/check.sh multi30k   # the Multi30k GPU tries of bench/gpu/multi30k-tries.yaml (the CPU
+#                                      # presets' model on the preset's schedule, then the preset, each in
+#                                      # en-de with its rescore variants; then each in en-fr; then Transformer-Tiny),
 #                                      # each end to end (about 2.3 minutes each, a variant seconds on dev);
 #                                      # `check.sh multi30k 330` gives them 330 s in place of 450: the first two
 #
