@@ -12,6 +12,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -70,23 +71,42 @@ class ConfigError(PipelineError):
 class YamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader, reading a number with an exponent and no point (1e-8) as a float, as YAML 1.2
     does and as ruamel (DVC's library, which writes `-S` overrides into params.yaml) writes 1e-08: YAML 1.1
-    reads it as the string '1e-8'."""
+    reads it as the string '1e-8'. A key given twice in one mapping is an error, as in ruamel: PyYAML
+    would keep the last one silently, so a stage run alone and `dvc repro` would read two configurations."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:  # as written: `<<: *anchor` merges keys that may be set again
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node)
+            if key in first:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice, first on line {first[key]}", key_node.start_mark)
+            first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
                                  list("-+0123456789"))
 
 
-def load_yaml(text: str) -> Any:
-    """The project's YAML (params.yaml, presets, overrides) as plain data, safely."""
-    return yaml.load(text, Loader=YamlLoader)
+def load_yaml(text: str, name: str) -> Any:
+    """The project's YAML (params.yaml, presets, overrides, the GPU tries) as plain data, safely; an error
+    names `name` and, where `text` is lines (a file, not a value on the command line), the line."""
+    try:
+        return yaml.load(text, Loader=YamlLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark and "\n" in text else ""
+        raise ConfigError(f"{name}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
 
 
 class _Source:
-    """Where the values came from, to point errors at a line."""
+    """Where the values came from, to point errors at a line, or at the override that set the value."""
 
-    def __init__(self, name: str, text: str) -> None:
-        self.name = name
+    def __init__(self, name: str, text: str, overrides: Collection[str] = ()) -> None:
+        self.name, self.overrides = name, tuple(overrides)
         self.lines: dict[str, int] = {}
         try:
             root = yaml.compose(text, Loader=YamlLoader)
@@ -106,8 +126,11 @@ class _Source:
                 self._index(item, f"{prefix}{i}.")
 
     def error(self, key: str, message: str) -> ConfigError:
+        if any(key == o or key.startswith(o + ".") for o in self.overrides):  # the value is not in the file
+            return ConfigError(f"{self.name}: override {key}: {message}")
         line = self.lines.get(key) or self.lines.get(key.rsplit(".", 1)[0])
-        return ConfigError(f"{self.name}{f':{line}' if line else ''}: {key}: {message}")
+        layered = f" (with overrides {', '.join(self.overrides)})" if self.overrides else ""
+        return ConfigError(f"{self.name}{layered}{f':{line}' if line else ''}: {key}: {message}")
 
 
 def _convert(tp: Any, value: Any, key: str, src: _Source) -> Any:
@@ -185,25 +208,20 @@ def _build(cls: type, data: dict[str, Any], prefix: str, src: _Source) -> Any:
 
 def read_yaml(text: str, name: str) -> dict[str, Any]:
     """params.yaml's text as plain data; a syntax error names its line."""
-    try:
-        data = load_yaml(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{name}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    data = load_yaml(text, name)
     if not isinstance(data, dict):
         raise ConfigError(f"{name}: expected a mapping of stage names to their parameters")
     return data
 
 
-def build_params(data: dict[str, Any], name: str, text: str) -> Params:
-    """Params from `data`, read from `text` and perhaps changed since (values only, as overrides do):
-    an error names the line of its key in `text`."""
-    return _build(Params, data, "", _Source(name, text))
+def build_params(data: dict[str, Any], name: str, text: str, overrides: Collection[str] = ()) -> Params:
+    """Params from `data`, read from `text` and then changed by `overrides` (dotted keys, values only):
+    an error names the override that set the value, else the line of its key in `text`."""
+    return _build(Params, data, "", _Source(name, text, overrides))
 
 
-def parse_params(text: str, name: str) -> Params:
-    return build_params(read_yaml(text, name), name, text)
+def parse_params(text: str, name: str, overrides: Collection[str] = ()) -> Params:
+    return build_params(read_yaml(text, name), name, text, overrides)
 
 
 def load_params(path: str | Path = PARAMS_FILE) -> Params:

@@ -32,7 +32,7 @@ def load_preset(name: str) -> dict[str, Any]:
     path = PRESETS_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"no preset '{name}' (known: {', '.join(preset_names())})")
-    data = load_yaml(path.read_text(encoding="utf-8"))
+    data = load_yaml(path.read_text(encoding="utf-8"), str(path))
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of dotted keys to values")
     return data
@@ -40,7 +40,7 @@ def load_preset(name: str) -> dict[str, Any]:
 
 def table3_rows() -> dict[str, dict[str, Any]]:
     """Row name -> overrides (the common ones included) of the paper's Table 3 experiments."""
-    data = load_yaml(TABLE3_FILE.read_text(encoding="utf-8"))
+    data = load_yaml(TABLE3_FILE.read_text(encoding="utf-8"), str(TABLE3_FILE))
     return {name: {**data["common"], **row} for name, row in data["rows"].items()}
 
 
@@ -49,7 +49,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {text!r}: expected key=value")
-    return key.strip(), load_yaml(value)
+    return key.strip(), load_yaml(value, f"override {text!r}")
 
 
 def collect_overrides(presets: list[str], overrides: list[str]) -> dict[str, Any]:
@@ -163,7 +163,7 @@ def layered(overrides: dict[str, Any], path: str | Path = PARAMS_FILE, text: str
     data = read_yaml(text, str(path))
     for key, value in overrides.items():
         _set(data, key, value, path)
-    return build_params(data, f"{path} (with overrides {', '.join(overrides)})", text)  # the file's lines
+    return build_params(data, str(path), text, overrides)  # the file's lines
 
 
 def apply_overrides(overrides: dict[str, Any], path: str | Path = PARAMS_FILE, start_over: bool = False) -> Params:
@@ -173,6 +173,7 @@ def apply_overrides(overrides: dict[str, Any], path: str | Path = PARAMS_FILE, s
 
     path = Path(path)
     start, base = _start(path, start_over)
+    read_yaml(start, str(path))  # a syntax error or a key given twice named with its line, not as a traceback
     rt = YAML()
     rt.preserve_quotes = True
     data = rt.load(start)
@@ -180,7 +181,7 @@ def apply_overrides(overrides: dict[str, Any], path: str | Path = PARAMS_FILE, s
         _set(data, key, _flow_style(value), path)
     buffer = io.StringIO()
     rt.dump(data, buffer)
-    params = parse_params(buffer.getvalue(), f"{path} (with overrides {', '.join(overrides)})")
+    params = parse_params(buffer.getvalue(), str(path), overrides)
     with atomic_write(path) as f:
         f.write(buffer.getvalue())
     with atomic_write(_layers_file(path)) as f:

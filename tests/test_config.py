@@ -73,6 +73,41 @@ def test_malformed_yaml_names_the_line():
         parse_params(text, "params.yaml")
 
 
+def test_a_key_given_twice_is_named_with_both_lines_where_pyyaml_would_keep_the_last(tmp_path):
+    text = _broken("  d_model: 512", "  d_model: 512\n  d_model: 256")
+    first = _line_of(text, "d_model: 512")
+    with pytest.raises(ConfigError, match=rf"params.yaml:{first + 1}: not valid YAML \(key 'd_model' given twice, "
+                                          rf"first on line {first}\)"):
+        parse_params(text, "params.yaml")
+    path = tmp_path / "params.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match="given twice"):  # before DVC's YAML library reads it, with its own error
+        apply_overrides({"train.max_steps": 7}, path)
+    assert path.read_text(encoding="utf-8") == text
+
+
+def test_keys_a_merge_brings_in_may_be_set_again():
+    """The GPU tries reuse one try's keys by a YAML merge and change some (bench/gpu/multi30k-tries.yaml)."""
+    assert config.load_yaml("a: &a {x: 1, y: 2}\nb: {<<: *a, y: 3}\n", "tries.yaml")["b"] == {"x": 1, "y": 3}
+
+
+def test_an_override_that_is_not_yaml_or_not_valid_is_named_as_given(tmp_path):
+    with pytest.raises(ConfigError, match=r"^override 'train.adam_betas=\[0.9': not valid YAML"):
+        parse_override("train.adam_betas=[0.9")
+    path = tmp_path / "params.yaml"
+    path.write_text(BASE, encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: override train.max_steps: must be 0 or more"):
+        apply(["multi30k"], {"train.max_steps": -3}, path, say=lambda _: None)
+    assert path.read_text(encoding="utf-8") == BASE
+
+
+def test_a_preset_that_is_not_valid_yaml_is_named_with_its_line(tmp_path, monkeypatch):
+    monkeypatch.setattr("pipeline.presets.PRESETS_DIR", tmp_path)
+    (tmp_path / "mine.yaml").write_text("train.max_steps: 10\ntrain.max_steps: 20\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"mine.yaml:2: not valid YAML \(key 'train.max_steps' given twice"):
+        load_preset("mine")
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="parameters file not found"):
         load_params(tmp_path / "params.yaml")
@@ -103,11 +138,15 @@ def test_presets_layered_in_memory_equal_those_written_into_params_yaml(tmp_path
         layered({"train.max_stpes": 7}, path)
     with pytest.raises(ConfigError, match=r"trian.max_steps: unknown key \(known here: download, clean"):
         layered({"trian.max_steps": 7}, path)
-    # An error names the line of its key in the file, however the layered text would be laid out.
-    line = BASE.splitlines().index(next(x for x in BASE.splitlines() if x.lstrip().startswith("max_steps:"))) + 1
+    # An error names the override that set its value, else the line of its key in the file, however the
+    # layered text would be laid out.
+    line = _line_of(BASE, "keep_checkpoints:")
     for check in (layered, apply_overrides):
-        with pytest.raises(ConfigError, match=rf"\):{line}: train.max_steps: expected an integer"):
+        with pytest.raises(ConfigError, match=r"params.yaml: override train.max_steps: expected an integer"):
             check({"train.max_steps": "many"}, path)
+        with pytest.raises(ConfigError, match=rf"params.yaml \(with overrides average.last\):{line}: "
+                                              rf"train.keep_checkpoints: \d+ would delete checkpoints"):
+            check({"average.last": 99}, path)
 
 
 def test_big_preset_is_the_papers_big_model(tmp_path):
@@ -134,8 +173,7 @@ def test_overrides_keep_comments_and_refuse_unknown_keys(tmp_path):
 def test_lowercased_training_text_is_scored_lowercased(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(BASE, encoding="utf-8")
-    where = r"params.yaml \(with overrides clean.lowercase\):\d+: "
-    with pytest.raises(ConfigError, match=where + "clean.lowercase: .*set score.lowercase: true"):
+    with pytest.raises(ConfigError, match=r"params.yaml: override clean.lowercase: .*set score.lowercase: true"):
         apply_overrides({"clean.lowercase": True}, path)
     assert apply_overrides({"clean.lowercase": True, "score.lowercase": True}, path).clean.lowercase
 
@@ -306,10 +344,9 @@ def test_the_processes_and_micro_batches_are_auto_or_counts_that_share(tmp_path)
     path.write_text(BASE, encoding="utf-8")
     assert (load_params(path).train.processes, load_params(path).train.micro_batches) == ("auto", "auto")
     assert apply_overrides({"train.processes": 2, "train.micro_batches": 8}, path).train.micro_batches == 8
-    line = BASE.splitlines().index(next(x for x in BASE.splitlines() if x.strip().startswith("processes:"))) + 1
     for value, said in ((0, "must be auto or at least 1, not 0"), ("all", "expected an integer or 'auto', got 'all'")):
         path.write_text(BASE, encoding="utf-8")
-        with pytest.raises(ConfigError, match=rf"\(with overrides train.processes\):{line}: train.processes: {said}"):
+        with pytest.raises(ConfigError, match=rf"params.yaml: override train.processes: {said}"):
             apply_overrides({"train.processes": value}, path)
     with pytest.raises(ConfigError, match="micro_batches: 8 micro-batches a step cannot be shared by 3 processes"):
         apply_overrides({"train.processes": 3, "train.micro_batches": 8}, path)

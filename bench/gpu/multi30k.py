@@ -20,7 +20,7 @@ RESCORED = ("average.", "decode.")  # what a rescore variant may change: not the
 
 def tries() -> dict[str, dict[str, Any]]:
     """Name -> overrides after the presets (with `rescore`, a list of variants), in the file's order."""
-    return load_yaml(TRIES.read_text(encoding="utf-8"))
+    return load_yaml(TRIES.read_text(encoding="utf-8"), str(TRIES))
 
 
 def try_settings(sizes: Sizes, name: str, overrides: dict[str, Any], source: Path) -> list[Params]:
