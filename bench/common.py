@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from corpora.shared import location
-from pipeline.config import PARAMS_FILE, Params
-from pipeline.presets import collect_overrides, layered
+from pipeline.config import Params
+from pipeline.presets import collect_overrides, committed_params, layered
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,21 +33,6 @@ CORPORA = {"europarl": {"train": {"en": f"{SAMPLE}.en", "de": f"{SAMPLE}.de"},
 # A model small enough for a smoke run on any CPU, as overrides of params.yaml's
 TINY = {"model.d_model": 64, "model.n_heads": 4, "model.d_ff": 128, "model.encoder_layers": 2,
         "model.decoder_layers": 2}
-
-
-def committed_params() -> tuple[str, str]:
-    """(name, text) of params.yaml as committed, the paper's recipe: `pipeline run --preset` writes a run's
-    presets into the file, and a bench's base must not become the last run's model. Git's copy at HEAD
-    in a clone (the path relative to the checkout, which may sit inside another repository); the file
-    itself where there is no git or no commit."""
-    try:
-        shown = subprocess.run(["git", "show", "HEAD:./params.yaml"], cwd=PARAMS_FILE.parent, capture_output=True,
-                               text=True)
-    except FileNotFoundError:  # no git installed
-        shown = None
-    if shown is not None and shown.returncode == 0:
-        return "params.yaml at git HEAD", shown.stdout
-    return str(PARAMS_FILE), PARAMS_FILE.read_text(encoding="utf-8")
 
 
 def settings(overrides: dict[str, Any] | None = None, presets: tuple[str, ...] = ()) -> Params:
@@ -120,13 +105,17 @@ def prepare_corpora(work: Path, corpora: tuple[str, ...], vocab_size: int,
 
 
 def clone(dest: Path) -> Path:
-    """The checkout's committed files (and those not yet committed), as a fresh clone would have them."""
+    """The checkout's files as a fresh clone would have them, in a git repository of its own: the code as it
+    stands (edits and files not yet committed included), params.yaml as committed (committed_params: not
+    what the last run wrote into it, which a preset run in the clone would otherwise start from), and the
+    page template set-up writes. What the benches that time a user's run and the tests of whole runs use."""
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                             capture_output=True, text=True, check=True).stdout.split("\n")
     for name in [*filter(None, listed), ".dvc/offline-plots.html"]:
         if (ROOT / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, dest / name)
+    (dest / "params.yaml").write_text(committed_params()[1], encoding="utf-8")
     for args in (["init", "-q"], ["add", "-A"], ["-c", "user.name=bench", "-c", "user.email=bench@localhost",
                                                    "commit", "-qm", "bench clone"]):
         subprocess.run(["git", *args], cwd=dest, check=True)

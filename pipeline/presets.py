@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,22 @@ def apply(names: list[str], overrides: dict[str, Any], path: str | Path = PARAMS
     if names and (back := _set_back(merged, path)):
         say(f"params.yaml: {', '.join(back)} as before the last presets (presets start over)")
     return apply_overrides(merged, path, start_over=bool(names))
+
+
+def committed_params() -> tuple[str, str]:
+    """(name, text) of params.yaml as committed, the paper's recipe, whatever runs wrote into the file since
+    (`pipeline run --preset`, `make quickstart`, `dvc exp run -S`): what a bench starts from, so that its base
+    is not the last run's model, and what the tests read. Git's copy at HEAD in a clone (the path relative
+    to the checkout, which may sit inside another repository); the file itself where there is no git or no
+    commit."""
+    try:
+        shown = subprocess.run(["git", "show", "HEAD:./params.yaml"], cwd=PARAMS_FILE.parent, capture_output=True,
+                               text=True)
+    except FileNotFoundError:  # no git installed
+        shown = None
+    if shown is not None and shown.returncode == 0:
+        return "params.yaml at git HEAD", shown.stdout
+    return str(PARAMS_FILE), PARAMS_FILE.read_text(encoding="utf-8")
 
 
 def layered(overrides: dict[str, Any], path: str | Path = PARAMS_FILE, text: str | None = None,

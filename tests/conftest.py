@@ -2,7 +2,6 @@
 stages chained as the DAG chains them (download -> clean -> vocab -> encode -> train -> average) on
 real text, each run once per session in a temporary directory."""
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.common import SHARED
+from bench.common import SHARED, clone
 from stages import average, clean, download, encode, train, vocab
 from stages.io import ParallelFiles
 from stages.model_files import current_dir
@@ -106,11 +105,10 @@ def train_params(**changes) -> train.TrainParams:
 def train_params_file(tmp_path: Path, **overrides) -> Path:
     """A params.yaml of the quickstart preset for the train stage run as a command, with `overrides`: in fp32,
     whose rounding the tests' bounds are (auto is bf16 on CPUs with AMX; test_train tests bf16 steps)."""
-    from pipeline.config import PARAMS_FILE
-    from pipeline.presets import apply_overrides, load_preset
+    from pipeline.presets import apply_overrides, committed_params, load_preset
 
     path = tmp_path / "params.yaml"
-    path.write_text(PARAMS_FILE.read_text())
+    path.write_text(committed_params()[1])
     apply_overrides({**load_preset("quickstart"), "train.batch_tokens": 1500, "train.log_every": 5,
                      "train.validate_every": 1000, "train.checkpoint_every_steps": 5, "train.precision": "fp32",
                      **overrides}, path)
@@ -259,17 +257,8 @@ SMALL = ["-S", "train.max_steps=30", "-S", "train.warmup_steps=30", "-S", "train
 
 
 def copy_project(tmp_path_factory) -> Path:
-    """A fresh copy of the project's files (as a clone would have them) in a git repository of its own."""
-    root = tmp_path_factory.mktemp("clone") / "project"
-    files = subprocess.run(["git", "ls-files", "--cached"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for name in files + [".dvc/offline-plots.html"]:  # and the page template set-up writes
-        if (ROOT / name).is_file():
-            (root / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, root / name)
-    for args in (["init", "-q"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
-        subprocess.run(["git", *args], cwd=root, check=True)
-    return root
+    """A fresh copy of the project (bench.common.clone: as a clone would have it) in a git repository of its own."""
+    return clone(tmp_path_factory.mktemp("clone") / "project")
 
 
 def env_of(repo: Path) -> dict[str, str]:
