@@ -105,12 +105,13 @@ def prepare_corpora(work: Path, corpora: tuple[str, ...], vocab_size: int,
 
 
 def clone(dest: Path) -> Path:
-    """The checkout's files as a fresh clone would have them, in a git repository of its own: the code as it
-    stands (edits and files not yet committed included), params.yaml as committed (committed_params: not
-    what the last run wrote into it, which a preset run in the clone would otherwise start from), and the
-    page template set-up writes. What the benches that time a user's run and the tests of whole runs use."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split("\n")
+    """The checkout's files as a fresh clone would have them, in a git repository of its own: the files git
+    tracks, as they stand (uncommitted edits included), and none of a run's outputs (dvc.lock, metrics/,
+    plots/: untracked, not ignored); params.yaml as committed (committed_params: not what the last run wrote
+    into it, which a preset run in the clone would otherwise start from); and the page template set-up
+    writes. What the benches that time a user's run and the tests of whole runs use."""
+    listed = subprocess.run(["git", "ls-files", "--cached"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.split("\n")
     for name in [*filter(None, listed), ".dvc/offline-plots.html"]:
         if (ROOT / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
