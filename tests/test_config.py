@@ -81,8 +81,8 @@ def test_a_key_given_twice_is_named_with_both_lines_where_pyyaml_would_keep_the_
         parse_params(text, "params.yaml")
     path = tmp_path / "params.yaml"
     path.write_text(text, encoding="utf-8")
-    with pytest.raises(ConfigError, match="given twice"):  # before DVC's YAML library reads it, with its own error
-        apply_overrides({"train.max_steps": 7}, path)
+    with pytest.raises(ConfigError, match=rf"params.yaml:{first + 1}: not valid YAML \(key 'd_model' given twice"):
+        apply_overrides({"train.max_steps": 7}, path)  # before DVC's YAML library reads it, with its own error
     assert path.read_text(encoding="utf-8") == text
 
 
@@ -384,6 +384,30 @@ def test_a_bench_base_is_the_committed_recipe_whatever_a_run_wrote_into_params_y
     out = subprocess.run([sys.executable, "-c", code], cwd=project, env=env_of(project), capture_output=True,
                          text=True, check=True)
     assert out.stdout.split() == ["128", "1024", "256"], out.stdout + out.stderr
+
+
+def test_a_clone_has_params_yaml_as_committed_the_code_as_it_stands_and_no_run_outputs(tmp_path_factory):
+    """What the tests' copies and the benches' fresh clones are (bench.common.clone): after `make quickstart`
+    the checkout's params.yaml holds the quickstart and dvc.lock and metrics/ its outputs, none of which a
+    clone has; an edit to a tracked file not yet committed is in it."""
+    import subprocess
+    import sys
+
+    from conftest import copy_project, env_of
+
+    project = copy_project(tmp_path_factory)
+    apply_overrides(load_preset("quickstart"), project / "params.yaml")
+    (project / "dvc.lock").write_text("schema: '2.0'\n", encoding="utf-8")
+    (project / "metrics").mkdir()
+    (project / "metrics/score.json").write_text("{}", encoding="utf-8")
+    with (project / "README.md").open("a", encoding="utf-8") as f:
+        f.write("an edit not yet committed\n")
+    dest = tmp_path_factory.mktemp("again") / "project"
+    code = f"import pathlib, bench.common; bench.common.clone(pathlib.Path({str(dest)!r}))"
+    subprocess.run([sys.executable, "-c", code], cwd=project, env=env_of(project), capture_output=True, check=True)
+    assert (dest / "params.yaml").read_text(encoding="utf-8") == BASE
+    assert not (dest / "dvc.lock").exists() and not (dest / "metrics").exists()
+    assert (dest / "README.md").read_text(encoding="utf-8").endswith("an edit not yet committed\n")
 
 
 def test_the_preset_command_starts_over_and_says_what_it_sets_back(tmp_path_factory):
