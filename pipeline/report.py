@@ -159,7 +159,8 @@ def write_report(out_dir: str | Path) -> Path:
     images = _plots(runs, out_dir)
     text = "\n".join([
         "# Runs compared with the paper", "",
-        f"{len(runs)} finished pipeline runs in MLflow ({tracking.tracking_uri()}), newest last.", "",
+        f"{len(runs)} finished pipeline run{'' if len(runs) == 1 else 's'} in MLflow ({tracking.tracking_uri()}), "
+        "newest last.", "",
         _table(runs, experiments), "",
         "The paper's BLEU is tokenised and compound-split; compare it with ours in the same column, not "
         "with sacreBLEU. Its training cost is an estimate from GPU time, ours counts the model's FLOPs.",
