@@ -1,6 +1,8 @@
 # The three commands a newcomer needs: set up, run, test.
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# the interpreter `make setup` and `make lock` make their environments with (Python 3.11 or newer)
+PYTHON ?= python3
 PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
@@ -9,7 +11,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 setup:  ## a virtual environment of requirements.lock's exact versions (torch first: its CPU build here, CUDA on GPU hosts),
         ## byte-compiled at install: where PYTHONDONTWRITEBYTECODE is set (as in CI here), a module left uncompiled is
         ## compiled anew by every process that imports it (the train stage's imports: 16.3 s against 6.7 on 2 cores)
-	python3 -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install $(TORCH)
 	$(PY) -m pip install -r requirements.lock
@@ -17,7 +19,7 @@ setup:  ## a virtual environment of requirements.lock's exact versions (torch fi
 	$(PY) -m pipeline offline-plots
 
 lock:  ## requirements.lock anew: the newest versions pyproject.toml admits, resolved in a fresh environment
-	rm -rf .lock-venv && python3 -m venv .lock-venv
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
 	.lock-venv/bin/python -m pip install $(TORCH)
 	.lock-venv/bin/python -m pip install '.[dev]'
 	{ echo "# Exact versions of everything but torch ($(TORCH), installed first), written by \`make lock\`."; \
