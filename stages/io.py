@@ -1,6 +1,7 @@
 """What every stage shares: clear errors, atomic writes, and reading parallel text safely."""
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import hashlib
@@ -127,14 +128,16 @@ def read_lines(path: str | Path) -> Iterator[str]:
 
 
 def decode_lines(stream: IO[bytes], name: str, what: str = "input") -> Iterator[str]:
-    """Lines of a UTF-8 stream (a file, standard input) without their line ending; invalid UTF-8 names
-    the stream, line and byte offset."""
+    """Lines of a UTF-8 stream (a file, standard input) without their line ending (LF or CRLF) and without
+    the byte-order mark Windows editors put first, which marks the encoding and is no text (a reference
+    line would keep it, and miss its n-grams); invalid UTF-8 names the stream, line and byte offset."""
     offset = 0
     for number, raw in enumerate(stream, start=1):
+        start = len(codecs.BOM_UTF8) if number == 1 and raw.startswith(codecs.BOM_UTF8) else 0
         try:
-            line = raw.decode("utf-8")
+            line = raw[start:].decode("utf-8")
         except UnicodeDecodeError as e:
-            at = offset + e.start
+            at = offset + start + e.start
             raise PipelineError(f"{name}:{number}: invalid UTF-8 at byte {at} of the {what} ({e.reason})") from None
         offset += len(raw)
         yield line.rstrip("\n").rstrip("\r")

@@ -1,5 +1,6 @@
 """The data stages on real text from ../shared/data (download, clean, vocab, encode), scoring, and the
 shared reading and writing they rely on. The chain's fixtures are in conftest.py."""
+import codecs
 import dataclasses
 import json
 import os
@@ -299,3 +300,25 @@ def test_invalid_utf8_names_file_line_and_byte(tmp_path):
     path.write_bytes(b"fine\nalso fine\nbro\xffken\n")
     with pytest.raises(PipelineError, match=r"bad.en:3: invalid UTF-8 at byte 18"):
         list(read_lines(path))
+    path.write_bytes(codecs.BOM_UTF8 + b"bro\xffken\n")  # the offset counts the byte-order mark's 3 bytes
+    with pytest.raises(PipelineError, match=r"bad.en:1: invalid UTF-8 at byte 6"):
+        list(read_lines(path))
+
+
+def test_files_saved_with_a_byte_order_mark_and_crlf_read_as_their_text(shared, work, tmp_path):
+    """Dev and test sets of one's own from a Windows editor (UTF-8 with a byte-order mark, CRLF line
+    endings): downloaded as they are, their references score the same lines given plainly at 100."""
+    corpus, hyps = tmp_path / "corpus", tmp_path / "hyps"
+    corpus.mkdir(), hyps.mkdir()
+    sets = {}
+    for split, name in (("dev", "val"), ("test", "test_2016_flickr")):
+        for lang in ("en", "de"):
+            lines = list(read_lines(shared / f"multi30k/{name}.{lang}"))[:200]
+            (corpus / f"{split}.{lang}").write_bytes(codecs.BOM_UTF8 + "".join(f"{x}\r\n" for x in lines).encode())
+            if lang == "de":
+                (hyps / f"{split}.de").write_text("".join(f"{x}\n" for x in lines), encoding="utf-8")
+        sets[split] = ParallelFiles(str(corpus / f"{split}.en"), str(corpus / f"{split}.de"))
+    download.run(download_params(shared, work, **sets), out_dir=tmp_path / "raw")
+    assert (tmp_path / "raw/test.de").read_bytes().startswith(codecs.BOM_UTF8)  # the bytes as they came
+    results = score.run(score.ScoreParams(tokenize="13a", lowercase=False), hyp_dir=hyps, ref_dir=tmp_path / "raw")
+    assert [results[split]["bleu"] for split in ("dev", "test")] == pytest.approx([100, 100], abs=1e-9)
