@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
+import os
 import shlex
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     table3 = sub.add_parser("table3",
                             help="the paper's Table 3 rows as named DVC experiments (experiments/table3.yaml)")
     table3.add_argument("rows", nargs="*", help="row names (default: all)")
-    table3.add_argument("--queue", action="store_true", help="queue them with `dvc exp run --queue` (else print)")
+    how = table3.add_mutually_exclusive_group()
+    how.add_argument("--run", action="store_true",
+                     help="run them one after another, each as `dvc exp run --temp` in a copy of the checkout")
+    how.add_argument("--queue", action="store_true",
+                     help="queue them with `dvc exp run --queue`, for `dvc queue start` (else print the commands)")
     report = sub.add_parser("report", help="markdown and plots comparing the tracked runs with the paper")
     report.add_argument("--out", type=Path, default=Path("reports"),
                         help="folder of the report and its plots (default reports)")
@@ -104,19 +112,65 @@ def model_size(params: Params) -> str:
             f"{params.vocab.vocab_size}-piece vocabulary")
 
 
-def table3_command(names: list[str], queue: bool) -> None:
-    import subprocess
-
+def table3_command(names: list[str], how: str) -> int:
+    """The rows as named experiments: their `dvc exp run` commands printed, queued, or run."""
     rows = presets.table3_rows()
     unknown = [n for n in names if n not in rows]
     if unknown:
         raise PipelineError(f"{presets.TABLE3_FILE}: no row {', '.join(unknown)} (known: {', '.join(rows)})")
-    for name in names or rows:
-        command = ["dvc", "exp", "run", "--queue", "-n", f"table3-{name}", *presets.dvc_set_args(rows[name])]
-        if queue:
+    commands = {f"table3-{name}": ["dvc", "exp", "run", "--queue" if how == "queue" else "--temp", "-n",
+                                   f"table3-{name}", *presets.dvc_set_args(rows[name])] for name in names or rows}
+    if how == "print":
+        print("\n".join(shlex.join(command) for command in commands.values()))
+    elif how == "queue":
+        for command in commands.values():
             subprocess.run([sys.executable, "-m", *command], cwd=config.ROOT, check=True)
-        else:
-            print(shlex.join(command))
+    else:
+        return run_experiments(commands)
+    return 0
+
+
+def run_experiments(commands: dict[str, list[str]]) -> int:
+    """Each `dvc exp run --temp` in turn: a copy of the checkout per experiment, as DVC's queue makes, without
+    the queue's worker, which can wait forever once its experiments have ended (treeverse/dvc#10428). One that
+    fails does not stop the rest. Ctrl-C or SIGTERM stops the one running as Ctrl-C stops `dvc exp run`, and
+    starts no more."""
+    received: list[int] = []
+    running: list[subprocess.Popen] = []
+
+    def relay(signum: int, frame: object) -> None:
+        received.append(signum)
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+
+    previous = {s: signal.signal(s, relay) for s in (signal.SIGINT, signal.SIGTERM)}
+    failed, ran = [], []
+    try:
+        for number, (name, command) in enumerate(commands.items(), start=1):
+            if received:
+                break
+            print(f"{name} ({number} of {len(commands)}): {shlex.join(command)}", flush=True)
+            # in a process group of its own, so that a signal reaches it once, as passed on here
+            running.append(subprocess.Popen([sys.executable, "-m", *command], cwd=config.ROOT,
+                                            env=config.stages_env(), start_new_session=True))
+            if running[0].wait() != 0:
+                failed.append(name)
+            running.clear()
+            ran.append(name)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    left = [name for name in commands if name not in ran]
+    if received:
+        print(f"stopped: {ran[-1]} was stopped ({signal.Signals(received[0]).name}); not run: "
+              f"{', '.join(left) or 'none'}", file=sys.stderr)
+        return 128 + received[0]
+    if failed:
+        print(f"error: {len(failed)} of {len(commands)} experiments failed: {', '.join(failed)} (each one's output "
+              "is above; `python -m pipeline compare` lists them all)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"wrote {report.write_report(args.out)}")
         elif args.command == "table3":
-            table3_command(args.rows, args.queue)
+            return table3_command(args.rows, "run" if args.run else "queue" if args.queue else "print")
         elif args.command == "compare":
             from pipeline import compare
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 import types
 import typing
 from collections.abc import Collection
@@ -30,15 +31,25 @@ PARAMS_FILE = ROOT / "params.yaml"
 
 def checkout_of(root: Path, dvc_root: str | None) -> Path:
     """The checkout where records that outlive a run belong (MLflow's store, notes of what a server
-    missed): `root`, unless it is the temporary copy in which DVC runs a queued experiment (`dvc queue
-    start`, `dvc exp run --run-all`: <repository>/.dvc/tmp/exps/<copy>/), deleted when the run ends;
-    then the same folder of the repository it was queued from, which DVC names in DVC_ROOT."""
+    missed): `root`, unless it is a temporary copy in which DVC runs an experiment (`dvc queue start`,
+    `dvc exp run --run-all`: <repository>/.dvc/tmp/exps/<copy>/; `dvc exp run --temp`:
+    .../exps/standalone/<copy>/), deleted when the run ends; then the same folder of the repository it
+    was started from, which DVC names in DVC_ROOT."""
     if dvc_root:
         repository = Path(dvc_root).resolve()
         copies = repository / ".dvc" / "tmp" / "exps"
-        if root.is_relative_to(copies) and root != copies:
-            return repository.joinpath(*root.relative_to(copies).parts[1:])
+        if root.is_relative_to(copies):
+            parts = root.relative_to(copies).parts
+            copy = 2 if parts[:1] == ("standalone",) else 1  # the parts that name the copy
+            if len(parts) >= copy:
+                return repository.joinpath(*parts[copy:])
     return root
+
+
+def stages_env() -> dict[str, str]:
+    """The environment for a `dvc` command started from here: the `python` of dvc.yaml's commands is
+    this one, whether or not its environment is activated."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 CHECKOUT = checkout_of(ROOT, os.environ.get("DVC_ROOT"))

@@ -149,9 +149,7 @@ def run_stage(stage: str) -> str | State:
     """`dvc repro` one stage; returns 'ran' or 'skipped' (DVC found it unchanged), or a Failed state
     whose message is the stage's own last word (no traceback: the stage's error says what is wrong)."""
     logger = get_run_logger()
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the stages' python
-    env["PYTHONUNBUFFERED"] = "1"  # the stage's lines reach the Prefect log as they are printed
+    env = {**config.stages_env(), "PYTHONUNBUFFERED": "1"}  # the stage's lines reach the Prefect log as printed
     # its own process group, so that a signal to the flow reaches the stage only as the flow passes it on
     proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "--single-item", stage], cwd=config.ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,5 +1,6 @@
 """Faults and bad input as an operator meets them, each through the real command line or stage
-function: a stop signal to a training run (one process and two), lines too long to learn from,
+function: a stop signal to a training run (one process and two) and to a run of experiments, a failed
+experiment among others, lines too long to learn from,
 the padding token, a bad split found late, untranslated copies, eight stages starting at once
 against a new tracking store, a damaged checkpoint, a save cut short, and averaging copies."""
 import dataclasses
@@ -63,6 +64,58 @@ def test_a_run_that_stopped_and_saved_ignores_further_stop_signals_but_not_ctrl_
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+EXPERIMENT = """import os, signal, sys, time
+from pathlib import Path
+out, name, code = Path(os.environ["EXPERIMENTS_OUT"]), sys.argv[1], int(sys.argv[2])
+def stop(signum, frame):
+    (out / f"{name}.stopped").write_text("")
+    sys.exit(75)
+signal.signal(signal.SIGINT, stop)
+(out / f"{name}.started").write_text("")
+while code == 75:  # as the train stage: works until asked to stop
+    time.sleep(0.05)
+sys.exit(code)
+"""
+
+
+def _experiments(tmp_path: Path, monkeypatch, codes: dict[str, int]) -> dict[str, list[str]]:
+    """Stand-ins for `dvc exp run --temp` commands (module arguments): each notes its start and exits
+    with its code; 75 works until Ctrl-C, which it notes."""
+    (tmp_path / "experiment.py").write_text(EXPERIMENT)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("EXPERIMENTS_OUT", str(tmp_path))
+    return {name: ["experiment", name, str(code)] for name, code in codes.items()}
+
+
+def test_table3_run_goes_on_past_a_failed_experiment_and_names_it(tmp_path, monkeypatch, capfd):
+    from pipeline.cli import run_experiments
+
+    assert run_experiments(_experiments(tmp_path, monkeypatch, {"a": 0, "b": 3, "c": 0})) == 1
+    assert all((tmp_path / f"{name}.started").exists() for name in "abc")
+    assert "error: 1 of 3 experiments failed: b (" in capfd.readouterr().err
+
+
+def test_table3_run_passes_a_stop_signal_on_once_and_starts_no_more(tmp_path, monkeypatch, capfd):
+    """SIGTERM to the command (a scheduler's) reaches the experiment running as one Ctrl-C, as a
+    terminal's would; the next is not started and the command's handlers are put back."""
+    import threading
+
+    from pipeline.cli import run_experiments
+
+    before = signal.getsignal(signal.SIGTERM)
+    commands = _experiments(tmp_path, monkeypatch, {"a": 75, "b": 0})
+    stopper = threading.Thread(target=lambda: (wait_for(lambda: (tmp_path / "a.started").exists(), 30, "a to start"),
+                                               os.kill(os.getpid(), signal.SIGTERM)))
+    stopper.start()
+    code = run_experiments(commands)
+    stopper.join()
+    assert code == 128 + signal.SIGTERM
+    assert (tmp_path / "a.stopped").exists() and not (tmp_path / "b.started").exists()
+    assert "stopped: a was stopped (SIGTERM); not run: b" in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == before
+
 
 @pytest.mark.slow
 def test_a_stop_signal_finishes_the_step_saves_it_and_exits_75(encoded, vocab_dir, tmp_path):

@@ -1,8 +1,7 @@
 """Experiments that compare, in the copy the quickstart ran in (after tests/test_pipeline.py): a changed
-training parameter trains a run of its own and going back retrains nothing, two Table 3 rows run
-from the queue back to back (their MLflow records in the repository's store, not the deleted copy DVC ran them
-in), `python -m pipeline compare` lists them, `dvc plots show` needs no
-network."""
+training parameter trains a run of its own and going back retrains nothing, two Table 3 rows queue, and
+run back to back (their MLflow records in the repository's store, not the deleted copies DVC ran them in),
+`python -m pipeline compare` lists them, `dvc plots show` needs no network."""
 import re
 import sys
 
@@ -40,9 +39,12 @@ def test_two_table3_rows_queue_and_run_back_to_back(flow_output, repo):
     (repo / "experiments/table3.yaml").write_text(  # two tiny rows of the same shape as the paper's, 10 steps each
         "common:\n  average.last: 1\n  train.max_steps: 10\nrows:\n  T-ff256: {model.d_ff: 256}\n"
         "  T-ff64: {model.d_ff: 64}\n")
-    run_in(repo, sys.executable, "-m", "pipeline", "table3", "--queue")
-    ran = run_in(repo, sys.executable, "-m", "dvc", "exp", "run", "--run-all")
-    assert "holds a" not in ran
+    run_in(repo, sys.executable, "-m", "pipeline", "table3", "--queue", "T-ff64")
+    queued = run_in(repo, sys.executable, "-m", "dvc", "queue", "status")
+    assert re.search(r"table3-T-ff64 .*Queued", queued), queued
+    run_in(repo, sys.executable, "-m", "dvc", "queue", "remove", "--queued")
+    ran = run_in(repo, sys.executable, "-m", "pipeline", "table3", "--run")
+    assert "holds a" not in ran and "table3-T-ff64 (2 of 2): dvc exp run --temp -n table3-T-ff64" in ran
     table = run_in(repo, sys.executable, "-m", "pipeline", "compare")
     rows = {line.split()[0]: line for line in table.splitlines()[1:] if line.strip()}
     client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")  # the repository's, not the run's copy

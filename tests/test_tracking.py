@@ -172,6 +172,8 @@ def test_a_queued_experiments_records_go_to_the_repository_it_was_queued_from(tm
     assert checkout_of(repo, str(repo)) == repo  # dvc repro, dvc exp run in the workspace
     assert checkout_of(repo / "project", str(repo)) == repo / "project"
     assert checkout_of(copy, None) == copy  # not run by DVC
+    alone = repo / ".dvc/tmp/exps/standalone/tmpef34gh"  # where `dvc exp run --temp` runs one
+    assert checkout_of(alone, str(repo)) == repo and checkout_of(alone / "project", str(repo)) == repo / "project"
 
 # -- a real `mlflow server`, stopped while the train stage works, then started again --------------------
 
