@@ -122,12 +122,13 @@ def table3_command(names: list[str], how: str) -> int:
                                    f"table3-{name}", *presets.dvc_set_args(rows[name])] for name in names or rows}
     if how == "print":
         print("\n".join(shlex.join(command) for command in commands.values()))
-    elif how == "queue":
+        return 0
+    dag.require_git()  # DVC's experiments live in git: one line here, not an error from every row
+    if how == "queue":
         for command in commands.values():
             subprocess.run([sys.executable, "-m", *command], cwd=config.ROOT, check=True)
-    else:
-        return run_experiments(commands)
-    return 0
+        return 0
+    return run_experiments(commands)
 
 
 def run_experiments(commands: dict[str, list[str]]) -> int:
